@@ -1,0 +1,7 @@
+"""`python -m kvcache` runs the same command line as `kvcache`."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,283 @@
+"""Composite caches: one layer per model layer, speaking transformers' cache protocol."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, Callable
+
+import torch
+from typing_extensions import Self
+
+from .errors import CacheInputError, KVCacheError
+from .layer_types import build_layer
+from .layers.base import CacheLayer
+from .layers.static import StaticLayer
+
+
+class Cache:
+    """A list of `CacheLayer`s indexed by `layer_idx`.
+
+    Layer-level calls are forwarded with `layer_idx`; `crop`, recording and batch operations go to
+    every layer, and are checked on every layer before any layer changes, so a failing call leaves
+    the whole cache as it was. With `layer_factory`, layers are created as indices first appear.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[CacheLayer] | None = None,
+        *,
+        layer_factory: Callable[[], CacheLayer] | None = None,
+    ) -> None:
+        if layers is not None and not all(isinstance(layer, CacheLayer) for layer in layers):
+            raise CacheInputError("Cache(layers=...) takes CacheLayer instances")
+        self.layers: list[CacheLayer] = list(layers) if layers is not None else []
+        self.layer_factory = layer_factory
+
+    # ------------------------------------------------------------------------------ indexing
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __iter__(self) -> Iterator[CacheLayer]:
+        return iter(self.layers)
+
+    def __getitem__(self, layer_idx: int) -> CacheLayer:
+        return self.layers[layer_idx]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(layers={self.layers})"
+
+    def _layer(self, layer_idx: int, *, create: bool = False) -> CacheLayer:
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:
+            raise CacheInputError(f"layer_idx must be a non-negative int, got {layer_idx!r}")
+        if create and self.layer_factory is not None:
+            while len(self.layers) <= layer_idx:
+                self.layers.append(self.layer_factory())
+        if layer_idx >= len(self.layers):
+            raise CacheInputError(f"layer_idx {layer_idx} out of range: the cache has {len(self.layers)} layer(s)")
+        return self.layers[layer_idx]
+
+    def _attention_layer(self, layer_idx: int, what: str) -> CacheLayer:
+        layer = self._layer(layer_idx)
+        if not layer.has_attention:
+            raise CacheInputError(f"{what}: layer {layer_idx} ({type(layer).__name__}) holds no keys/values")
+        return layer
+
+    def _recurrent_layer(self, layer_idx: int, what: str) -> Any:
+        layer = self._layer(layer_idx)
+        if not layer.has_recurrent:
+            raise CacheInputError(f"{what}: layer {layer_idx} ({type(layer).__name__}) holds no conv/recurrent states")
+        return layer
+
+    # -------------------------------------------------------------------------- attention
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        cache_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append keys/values to layer `layer_idx`; return what its attention must see."""
+        layer = self._layer(layer_idx, create=True)
+        if not layer.has_attention:
+            raise CacheInputError(f"update: layer {layer_idx} ({type(layer).__name__}) holds no keys/values")
+        return layer.update(key_states, value_states)
+
+    def _first_attention_idx(self, layer_idx: int) -> int:
+        """transformers' rule: layer 0 stands for the first layer that has a sequence length."""
+        if layer_idx == 0 and self.layers and not self.layers[0].has_attention:
+            return next((i for i, layer in enumerate(self.layers) if layer.has_attention), 0)
+        return layer_idx
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens seen by layer `layer_idx` (0 for a layer not created yet)."""
+        if layer_idx >= len(self.layers):
+            return 0
+        return self._layer(self._first_attention_idx(layer_idx)).get_seq_length()
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        """Position of the next query token: the number of tokens seen."""
+        return self.get_seq_length(layer_idx)
+
+    def get_mask_sizes(self, query_length: int | torch.Tensor, layer_idx: int) -> tuple[int, int]:
+        """`(kv_length, kv_offset)` for the attention mask of layer `layer_idx`."""
+        if isinstance(query_length, torch.Tensor):  # older callers pass cache_position
+            query_length = query_length.shape[0]
+        if layer_idx >= len(self.layers):
+            return query_length, 0
+        return self._attention_layer(self._first_attention_idx(layer_idx), "get_mask_sizes").get_mask_sizes(
+            query_length
+        )
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        """Most tokens layer `layer_idx` (or any layer) can hold; -1 when unbounded."""
+        if layer_idx is None:
+            return max((layer.get_max_length() for layer in self.layers), default=-1)
+        if layer_idx >= len(self.layers):
+            return -1
+        return self._layer(layer_idx).get_max_length()
+
+    # -------------------------------------------------------------------------- recurrent
+    def update_conv_state(
+        self,
+        conv_states: torch.Tensor,
+        layer_idx: int,
+        state_idx: int = 0,
+        conv_kernel_size: int | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """Feed a conv layer's new inputs `[batch, channels, time]`; return the window the conv reads."""
+        layer = self._recurrent_layer(layer_idx, "update_conv_state")
+        return layer.update_conv_state(conv_states, state_idx=state_idx, conv_kernel_size=conv_kernel_size, **kwargs)
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
+    ) -> torch.Tensor:
+        """Store a layer's new recurrent state (optionally with per-token `intermediate_states=`)."""
+        layer = self._recurrent_layer(layer_idx, "update_recurrent_state")
+        return layer.update_recurrent_state(recurrent_states, state_idx=state_idx, **kwargs)
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        """The conv window of layer `layer_idx`, None before its first update."""
+        return self._recurrent_layer(layer_idx, "get_conv_state").get_conv_state(state_idx)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        """The recurrent state of layer `layer_idx`, None before its first update."""
+        return self._recurrent_layer(layer_idx, "get_recurrent_state").get_recurrent_state(state_idx)
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        """Whether a recurrent layer (by default the last one) has been fed before."""
+        if layer_idx is None:
+            recurrent = [i for i, layer in enumerate(self.layers) if layer.has_recurrent]
+            if not recurrent:
+                return False
+            layer_idx = recurrent[-1]
+        elif layer_idx >= len(self.layers):
+            return False
+        return self._recurrent_layer(layer_idx, "has_previous_state").has_previous_state(state_idx)
+
+    # ---------------------------------------------------------------------------- rollback
+    @property
+    def is_croppable(self) -> bool:
+        """Every layer can undo the steps taken since the commit point."""
+        return all(layer.is_croppable for layer in self.layers)
+
+    @property
+    def max_rollback(self) -> int:
+        """How many of the most recent tokens every layer can remove exactly now."""
+        return min((layer.max_rollback for layer in self.layers), default=0)
+
+    def check_crop(self, tokens_to_remove: int) -> None:
+        """Raise `RollbackError` unless every layer can `crop(tokens_to_remove)` exactly."""
+        for layer in self.layers:
+            layer.check_crop(tokens_to_remove)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """`crop(-n)`: remove the last n tokens from every layer exactly; `crop(0)`: commit."""
+        self.check_crop(tokens_to_remove)
+        for layer in self.layers:
+            layer.crop(tokens_to_remove)
+
+    def activate_past_recording(self) -> None:
+        """Every layer keeps what rollback needs from now on."""
+        for layer in self.layers:
+            layer.activate_past_recording()
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` is recording (False for a layer not created yet)."""
+        return layer_idx < len(self.layers) and self._layer(layer_idx).record_past
+
+    # ------------------------------------------------------------------------------- batch
+    @property
+    def batch_size(self) -> int | None:
+        """Batch size held, None before any update."""
+        sizes = {layer.batch_size for layer in self.layers} - {None}
+        if len(sizes) > 1:
+            raise KVCacheError(f"layers disagree on batch size: {sorted(sizes)}")  # type: ignore[type-var]
+        return next(iter(sizes), None)
+
+    def _index_batch(self, index: Any, name: str) -> None:
+        checked = [layer.check_batch_index(index, name) for layer in self.layers]
+        for layer, idx in zip(self.layers, checked):
+            layer._index_batch(idx)
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Reorder the batch of every layer for beam search."""
+        self._index_batch(beam_idx, "beam_idx")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only batch rows `indices` in every layer."""
+        self._index_batch(indices, "indices")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every batch row `repeats` times in every layer."""
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise CacheInputError(f"repeats must be a positive int, got {repeats!r}")
+        for layer in self.layers:
+            layer.batch_repeat_interleave(repeats)
+
+    def reset(self) -> None:
+        """Forget every token in every layer; keep the layers and their parameters."""
+        for layer in self.layers:
+            layer.reset()
+
+    # ------------------------------------------------------------------------------ flags
+    @property
+    def is_compileable(self) -> bool:
+        return bool(self.layers) and all(layer.is_compileable for layer in self.layers)
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [layer.is_sliding for layer in self.layers]
+
+    @property
+    def is_linear(self) -> list[bool]:
+        """Per layer: holds recurrent states only (no keys/values)."""
+        return [layer.has_recurrent and not layer.has_attention for layer in self.layers]
+
+    # ------------------------------------------------------------------------------- copies
+    def copy(self) -> Self:
+        """An independent copy (a fork for beams or branches) sharing no mutable tensor."""
+        clone = object.__new__(type(self))
+        clone.__dict__.update(self.__dict__)
+        clone.layers = [layer.copy() for layer in self.layers]
+        return clone
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Self:
+        return self.copy()
+
+
+class DynamicCache(Cache):
+    """Growing layers: built lazily as `DynamicLayer`s, or from `layer_types` such as
+    `["full_attention", "sliding_attention", ...]` (with `sliding_window`)."""
+
+    def __init__(
+        self,
+        layer_types: Sequence[str] | None = None,
+        *,
+        sliding_window: int | None = None,
+        num_states: int = 1,
+    ) -> None:
+        if layer_types is None:
+            from .layers.dynamic import DynamicLayer
+
+            super().__init__(layer_factory=DynamicLayer)
+        else:
+            if isinstance(layer_types, str):
+                raise CacheInputError("layer_types must be a sequence of layer-type names, not one string")
+            layers = [build_layer(t, sliding_window=sliding_window, num_states=num_states) for t in layer_types]
+            super().__init__(layers)
+
+
+class StaticCache(Cache):
+    """Preallocated full-attention layers of `max_cache_len` tokens; `num_layers` of them, or
+    created lazily as layer indices appear."""
+
+    def __init__(self, max_cache_len: int, num_layers: int | None = None) -> None:
+        StaticLayer(max_cache_len)  # validates max_cache_len before anything is built
+        if num_layers is None:
+            super().__init__(layer_factory=lambda: StaticLayer(max_cache_len))
+        else:
+            if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 0:
+                raise CacheInputError(f"num_layers must be a non-negative int, got {num_layers!r}")
+            super().__init__([StaticLayer(max_cache_len) for _ in range(num_layers)])
+        self.max_cache_len = max_cache_len

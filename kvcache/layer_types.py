@@ -1,0 +1,31 @@
+"""Layer-type names (as in transformers configs' `layer_types`) and the layers they build."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .errors import CacheInputError
+from .layers.base import CacheLayer
+from .layers.dynamic import DynamicLayer
+from .layers.sliding import SlidingWindowLayer
+
+
+def _need_window(layer_type: str, sliding_window: int | None) -> int:
+    if sliding_window is None:
+        raise CacheInputError(f"layer type {layer_type!r} needs sliding_window")
+    return sliding_window
+
+
+#: name -> builder(sliding_window, num_states). Other modules add their kinds here.
+LAYER_TYPE_BUILDERS: dict[str, Callable[[int | None, int], CacheLayer]] = {
+    "full_attention": lambda window, states: DynamicLayer(),
+    "sliding_attention": lambda window, states: SlidingWindowLayer(_need_window("sliding_attention", window)),
+}
+
+
+def build_layer(layer_type: str, *, sliding_window: int | None = None, num_states: int = 1) -> CacheLayer:
+    """A fresh dynamic layer for `layer_type` (e.g. "full_attention", "sliding_attention")."""
+    builder = LAYER_TYPE_BUILDERS.get(layer_type)
+    if builder is None:
+        raise CacheInputError(f"unknown layer type {layer_type!r}; known: {sorted(LAYER_TYPE_BUILDERS)}")
+    return builder(sliding_window, num_states)

@@ -1,0 +1,8 @@
+"""Cache layer kinds: one model layer's keys/values or conv/recurrent states."""
+
+from .base import LAYER_REGISTRY, CacheLayer, register_layer
+from .dynamic import DynamicLayer
+from .sliding import SlidingWindowLayer
+from .static import StaticLayer
+
+__all__ = ["LAYER_REGISTRY", "CacheLayer", "DynamicLayer", "SlidingWindowLayer", "StaticLayer", "register_layer"]

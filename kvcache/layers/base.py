@@ -1,0 +1,199 @@
+"""The contract every cache layer implements, and the registry persistence builds layers from."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+from typing_extensions import Self
+
+from ..errors import CacheInputError, RollbackError
+
+#: Every concrete layer class by its name. Loading a file builds only classes found here.
+LAYER_REGISTRY: dict[str, type[CacheLayer]] = {}
+
+
+def register_layer(cls: type[CacheLayer]) -> type[CacheLayer]:
+    """Class decorator: make `cls` constructible by name from a saved file."""
+    LAYER_REGISTRY[cls.__name__] = cls
+    return cls
+
+
+class CacheLayer(ABC):
+    """What one model layer's past tokens left behind, with exact rollback (SPEC sections 3 and 4).
+
+    Subclasses keep their content in tensors named by `state` and their parameters and bookkeeping
+    in the JSON-able `meta_state`; `from_state` rebuilds an identical layer from the two. That one
+    idea serves saving, loading and copying.
+    """
+
+    #: The layer drops old tokens (sliding window attention).
+    is_sliding: ClassVar[bool] = False
+    #: Fixed shapes and addresses: safe to capture in `torch.compile` / CUDA graphs.
+    is_compileable: ClassVar[bool] = False
+    #: The layer holds keys/values (answers `update`, `get_mask_sizes`).
+    has_attention: ClassVar[bool] = True
+    #: The layer holds conv/recurrent states (answers `update_conv_state` ...).
+    has_recurrent: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self._recording = False
+
+    # ----------------------------------------------------------------------------------- growth
+    @abstractmethod
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append `[batch, kv_heads, n, head_dim]` keys/values; return what attention must see."""
+
+    @abstractmethod
+    def get_seq_length(self) -> int:
+        """Number of tokens this layer has seen (and not rolled back)."""
+
+    @abstractmethod
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """`(kv_length, kv_offset)` of the keys the next `update` of `query_length` tokens returns."""
+
+    def get_max_length(self) -> int:
+        """Most tokens the layer can hold; -1 when unbounded."""
+        return -1
+
+    # --------------------------------------------------------------------------------- rollback
+    @property
+    def record_past(self) -> bool:
+        """Whether the layer keeps what rollback needs. Setting it False commits and stops recording."""
+        return self._recording
+
+    @record_past.setter
+    def record_past(self, value: bool) -> None:
+        if value:
+            self.activate_past_recording()
+        elif self._recording:
+            self._commit()
+            self._recording = False
+
+    def activate_past_recording(self) -> None:
+        """Keep what rollback needs from now on; now becomes the commit point."""
+        if not self._recording:
+            self._commit()
+            self._recording = True
+
+    @property
+    @abstractmethod
+    def max_rollback(self) -> int:
+        """How many of the most recent tokens `crop` can remove exactly right now."""
+
+    @property
+    def is_croppable(self) -> bool:
+        """True when every step taken since the commit point can be undone exactly.
+
+        Layers that keep all their tokens anyway are always croppable; the others while recording.
+        """
+        return self._recording
+
+    def check_crop(self, tokens_to_remove: int) -> None:
+        """Raise `RollbackError` unless `crop(tokens_to_remove)` would succeed exactly."""
+        n = _crop_amount(tokens_to_remove)
+        if n > self.max_rollback:
+            raise RollbackError(
+                f"{type(self).__name__} cannot remove {n} token(s): at most {self.max_rollback} "
+                f"can be rolled back now ({self._rollback_hint()})"
+            )
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """`crop(-n)` removes the last n tokens exactly; `crop(0)` commits. Failing crops change nothing."""
+        self.check_crop(tokens_to_remove)
+        if tokens_to_remove == 0:
+            self._commit()
+        else:
+            self._remove_last(-tokens_to_remove)
+
+    def _rollback_hint(self) -> str:
+        return "recording" if self._recording else "not recording"
+
+    @abstractmethod
+    def _remove_last(self, n: int) -> None:
+        """Drop the last `n` tokens (already checked to be possible)."""
+
+    @abstractmethod
+    def _commit(self) -> None:
+        """Forget rollback history and shrink to the minimal working size."""
+
+    # ----------------------------------------------------------------------------- batch / misc
+    @abstractmethod
+    def reset(self) -> None:
+        """Forget every token; keep parameters (window, max length, recording flag)."""
+
+    @property
+    @abstractmethod
+    def batch_size(self) -> int | None:
+        """Batch size of what the layer holds, or None before the first update."""
+
+    @abstractmethod
+    def _index_batch(self, index: torch.Tensor) -> None:
+        """Replace the batch dimension of every held tensor by `tensor[index]`."""
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Reorder the batch for beam search: row i becomes old row `beam_idx[i]`."""
+        self._index_batch(self.check_batch_index(beam_idx, "beam_idx"))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the batch rows `indices`."""
+        self._index_batch(self.check_batch_index(indices, "indices"))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every batch row `repeats` times in place (row order 0,0,1,1,...)."""
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise CacheInputError(f"repeats must be a positive int, got {repeats!r}")
+        if self.batch_size is not None:
+            self._index_batch(torch.arange(self.batch_size).repeat_interleave(repeats))
+
+    def check_batch_index(self, index: Any, name: str) -> torch.Tensor:
+        """Validate a 1-D integer batch index against the held batch size; return it as a tensor."""
+        index = torch.as_tensor(index)
+        if index.dim() != 1 or index.dtype in (torch.bool,) or index.is_floating_point() or index.is_complex():
+            raise CacheInputError(f"{name} must be a 1-D integer tensor, got {index.dtype} of shape {tuple(index.shape)}")
+        size = self.batch_size
+        if size is not None and index.numel() and (int(index.min()) < 0 or int(index.max()) >= size):
+            raise CacheInputError(f"{name} holds values outside [0, {size}) (batch size of the cache)")
+        return index
+
+    # ------------------------------------------------------------------------------ persistence
+    @property
+    @abstractmethod
+    def state(self) -> dict[str, torch.Tensor]:
+        """The tensors that hold the layer's content (views; clone before mutating)."""
+
+    @property
+    @abstractmethod
+    def meta_state(self) -> dict[str, Any]:
+        """JSON-able parameters and bookkeeping; with `state`, enough to rebuild the layer."""
+
+    @classmethod
+    @abstractmethod
+    def from_state(cls, meta_state: dict[str, Any], state: dict[str, torch.Tensor]) -> Self:
+        """Rebuild a layer from `meta_state` and `state`; raise `CacheInputError` when they disagree."""
+
+    def copy(self) -> Self:
+        """An independent copy that shares no mutable tensor with this layer."""
+        return type(self).from_state(self.meta_state, {k: v.clone() for k, v in self.state.items()})
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Self:
+        return self.copy()
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v}" for k, v in self.meta_state.items())
+        return f"{type(self).__name__}({params})"
+
+
+def _crop_amount(tokens_to_remove: Any) -> int:
+    """Validate a `crop` argument and return the number of tokens it removes."""
+    if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
+        raise RollbackError(f"crop takes a non-positive int, got {tokens_to_remove!r}")
+    if tokens_to_remove > 0:
+        raise RollbackError(
+            f"crop({tokens_to_remove}): a positive argument is not supported; "
+            "pass -n to remove the last n tokens, or 0 to commit"
+        )
+    return -tokens_to_remove

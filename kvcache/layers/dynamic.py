@@ -1,0 +1,124 @@
+"""Full attention: every key/value seen, in an amortized growth buffer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from typing_extensions import Self
+
+from ..errors import CacheInputError
+from .base import CacheLayer, register_layer
+from .kv_buffer import KVBuffer
+
+
+@register_layer
+class DynamicLayer(CacheLayer):
+    """All keys/values seen. An append costs the new tokens only; `crop(-n)` moves an index."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._kv = KVBuffer()
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._kv.check(key_states, value_states, type(self).__name__)
+        self._kv.append(key_states, value_states)
+        return self._kv.live()
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """The held keys `[batch, kv_heads, seq, head_dim]` (a view), None before the first update."""
+        return None if self._kv.keys is None else self._kv.live()[0]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """The held values (a view), None before the first update."""
+        return None if self._kv.values is None else self._kv.live()[1]
+
+    @property
+    def is_initialized(self) -> bool:
+        return self._kv.keys is not None
+
+    def get_seq_length(self) -> int:
+        return len(self._kv)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return len(self._kv) + query_length, 0
+
+    @property
+    def max_rollback(self) -> int:
+        return len(self._kv)
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+    def _remove_last(self, n: int) -> None:
+        self._kv.drop_last(n)
+
+    def _commit(self) -> None:
+        self._kv.shrink()
+
+    def reset(self) -> None:
+        self._kv = KVBuffer()
+
+    @property
+    def batch_size(self) -> int | None:
+        return None if self._kv.keys is None else self._kv.keys.shape[0]
+
+    def _index_batch(self, index: torch.Tensor) -> None:
+        self._kv.index_batch(index)
+
+    def nbytes(self) -> int:
+        """Bytes of storage held, spare capacity included."""
+        return self._kv.nbytes()
+
+    @property
+    def state(self) -> dict[str, torch.Tensor]:
+        if self._kv.keys is None:
+            return {}
+        keys, values = self._kv.live()
+        return {"keys": keys, "values": values}
+
+    @property
+    def meta_state(self) -> dict[str, Any]:
+        return {"seq_length": self.get_seq_length(), "record_past": self._recording}
+
+    def _load_kv(self, state: dict[str, torch.Tensor], kept: int) -> None:
+        """Take over `state`'s keys/values, checking they hold `kept` tokens."""
+        if not state:
+            if kept:
+                raise CacheInputError(f"{type(self).__name__}: {kept} token(s) announced but no keys/values given")
+            return
+        if set(state) != {"keys", "values"}:
+            raise CacheInputError(f"{type(self).__name__}: expected tensors 'keys' and 'values', got {sorted(state)}")
+        keys, values = state["keys"], state["values"]
+        check_loaded_pair(keys, values, kept, type(self).__name__)
+        self._kv = KVBuffer.from_tensors(keys, values)
+
+    @classmethod
+    def from_state(cls, meta_state: dict[str, Any], state: dict[str, torch.Tensor]) -> Self:
+        layer = cls()
+        layer._load_kv(state, nonneg_int(meta_state, "seq_length", cls.__name__))
+        layer._recording = bool(meta_state.get("record_past", False))
+        return layer
+
+
+def nonneg_int(meta_state: dict[str, Any], key: str, who: str) -> int:
+    value = meta_state.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CacheInputError(f"{who}: '{key}' must be a non-negative int, got {value!r}")
+    return value
+
+
+def check_loaded_pair(keys: torch.Tensor, values: torch.Tensor, kept: int, who: str) -> None:
+    if keys.dim() != 4 or values.dim() != 4 or keys.shape[:3] != values.shape[:3]:
+        raise CacheInputError(
+            f"{who}: keys {tuple(keys.shape)} and values {tuple(values.shape)} are not a [batch, heads, seq, dim] pair"
+        )
+    if keys.shape[2] != kept:
+        raise CacheInputError(f"{who}: keys hold {keys.shape[2]} token(s) but the metadata says {kept}")
+    if keys.dtype != values.dtype or keys.device != values.device:
+        raise CacheInputError(f"{who}: keys and values differ in dtype or device")

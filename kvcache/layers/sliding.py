@@ -1,0 +1,120 @@
+"""Sliding-window attention: the last `sliding_window - 1` tokens, plus what rollback needs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from typing_extensions import Self
+
+from ..errors import CacheInputError
+from .base import register_layer
+from .dynamic import DynamicLayer, nonneg_int
+
+
+@register_layer
+class SlidingWindowLayer(DynamicLayer):
+    """Keys/values of a sliding-window attention layer.
+
+    A query attends to itself and the `sliding_window - 1` tokens before it, so that many are kept.
+    While recording, the tokens added since the commit point are kept too (`W - 1 + r` in all), so
+    `crop(-n)` can bring evicted tokens back. `get_seq_length()` counts every token seen.
+    """
+
+    is_sliding = True
+
+    def __init__(self, sliding_window: int) -> None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+            raise CacheInputError(f"sliding_window must be a positive int, got {sliding_window!r}")
+        super().__init__()
+        self.sliding_window = sliding_window
+        self._seen = 0  # tokens seen and not rolled back
+        self._seen_at_commit = 0
+
+    @property
+    def _working_size(self) -> int:
+        return self.sliding_window - 1
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._kv.check(key_states, value_states, type(self).__name__)
+        visible = min(self._seen, self._working_size) + key_states.shape[2]
+        self._kv.append(key_states, value_states)
+        self._seen += key_states.shape[2]
+        returned = self._kv.tail(visible)
+        self._evict()
+        return returned
+
+    def _evict(self) -> None:
+        recorded = self._seen - self._seen_at_commit if self._recording else 0
+        self._kv.keep_last(self._working_size + recorded)
+        if not self._recording:
+            self._kv.shrink()  # a long prefill chunk must not leave its storage behind
+
+    def get_seq_length(self) -> int:
+        return self._seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return min(self._seen, self._working_size) + query_length, max(self._seen - self._working_size, 0)
+
+    def get_max_length(self) -> int:
+        return self.sliding_window
+
+    @property
+    def max_rollback(self) -> int:
+        kept = len(self._kv)
+        return self._seen if kept == self._seen else kept - self._working_size
+
+    @property
+    def is_croppable(self) -> bool:
+        return self._recording
+
+    def _rollback_hint(self) -> str:
+        if self._recording:
+            return f"recording since token {self._seen_at_commit}"
+        return "not recording: call activate_past_recording() before the steps to undo"
+
+    def _remove_last(self, n: int) -> None:
+        self._kv.drop_last(n)
+        self._seen -= n
+        self._seen_at_commit = min(self._seen_at_commit, self._seen)
+
+    def _commit(self) -> None:
+        self._seen_at_commit = self._seen
+        self._kv.keep_last(self._working_size)
+        self._kv.shrink()
+
+    def reset(self) -> None:
+        super().reset()
+        self._seen = self._seen_at_commit = 0
+
+    @property
+    def meta_state(self) -> dict[str, Any]:
+        return {
+            "sliding_window": self.sliding_window,
+            "seq_length": self._seen,
+            "kept_length": len(self._kv),
+            "seq_length_at_commit": self._seen_at_commit,
+            "record_past": self._recording,
+        }
+
+    @classmethod
+    def from_state(cls, meta_state: dict[str, Any], state: dict[str, torch.Tensor]) -> Self:
+        name = cls.__name__
+        layer = cls(meta_state.get("sliding_window"))  # type: ignore[arg-type]
+        seen = nonneg_int(meta_state, "seq_length", name)
+        kept = nonneg_int(meta_state, "kept_length", name)
+        at_commit = nonneg_int(meta_state, "seq_length_at_commit", name)
+        recording = meta_state.get("record_past", False)
+        if not isinstance(recording, bool):
+            raise CacheInputError(f"{name}: 'record_past' must be a bool, got {recording!r}")
+        bound = layer._working_size + (seen - at_commit if recording else 0)
+        if at_commit > seen or kept != min(seen, bound):
+            raise CacheInputError(
+                f"{name}: inconsistent lengths (seen {seen}, kept {kept}, at commit {at_commit}, "
+                f"window {layer.sliding_window}, recording {recording})"
+            )
+        layer._load_kv(state, kept)
+        layer._seen, layer._seen_at_commit, layer._recording = seen, at_commit, recording
+        return layer

@@ -1,0 +1,140 @@
+"""Preallocated attention keys/values of a fixed maximum length, for `torch.compile`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from typing_extensions import Self
+
+from ..errors import CacheInputError, CacheOverflowError
+from .base import CacheLayer, register_layer
+from .dynamic import check_loaded_pair, nonneg_int
+from .kv_buffer import check_kv_pair, check_matches
+
+
+@register_layer
+class StaticLayer(CacheLayer):
+    """Keys/values in tensors of fixed shape `[batch, kv_heads, max_cache_len, head_dim]`.
+
+    `update` writes in place and returns the whole preallocated tensors (positions past the length
+    are zero and masked out: `get_mask_sizes` reports `max_cache_len`), so shapes and addresses
+    never change. Rollback zeroes the removed positions, so a crop-and-regrow is bitwise exact.
+    """
+
+    is_compileable = True
+
+    def __init__(self, max_cache_len: int) -> None:
+        if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
+            raise CacheInputError(f"max_cache_len must be a positive int, got {max_cache_len!r}")
+        super().__init__()
+        self.max_cache_len = max_cache_len
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self._length = 0
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.keys is not None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Allocate zeroed storage shaped after `key_states`/`value_states` (batch, heads, dims)."""
+        batch, heads = key_states.shape[:2]
+        self.keys = key_states.new_zeros(batch, heads, self.max_cache_len, key_states.shape[3])
+        self.values = value_states.new_zeros(batch, heads, self.max_cache_len, value_states.shape[3])
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        who = type(self).__name__
+        check_kv_pair(key_states, value_states, who)
+        if self.keys is not None and self.values is not None:
+            check_matches(self.keys, key_states, "keys", who)
+            check_matches(self.values, value_states, "values", who)
+        n = key_states.shape[2]
+        if self._length + n > self.max_cache_len:
+            raise CacheOverflowError(
+                f"{who}: {self._length} + {n} token(s) exceed max_cache_len={self.max_cache_len}"
+            )
+        if self.keys is None:
+            self.lazy_initialization(key_states, value_states)
+        assert self.keys is not None and self.values is not None
+        self.keys[:, :, self._length : self._length + n].copy_(key_states)
+        self.values[:, :, self._length : self._length + n].copy_(value_states)
+        self._length += n
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self._length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.max_cache_len, 0
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    @property
+    def max_rollback(self) -> int:
+        return self._length
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+    def _remove_last(self, n: int) -> None:
+        assert self.keys is not None and self.values is not None
+        self.keys[:, :, self._length - n : self._length].zero_()
+        self.values[:, :, self._length - n : self._length].zero_()
+        self._length -= n
+
+    def _commit(self) -> None:
+        pass  # nothing beyond the working set is ever kept
+
+    def reset(self) -> None:
+        if self.keys is not None and self.values is not None:
+            self.keys[:, :, : self._length].zero_()
+            self.values[:, :, : self._length].zero_()
+        self._length = 0
+
+    @property
+    def batch_size(self) -> int | None:
+        return None if self.keys is None else self.keys.shape[0]
+
+    def _index_batch(self, index: torch.Tensor) -> None:
+        if self.keys is not None and self.values is not None:
+            index = index.to(self.keys.device)
+            self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
+
+    def nbytes(self) -> int:
+        return 0 if self.keys is None or self.values is None else self.keys.nbytes + self.values.nbytes
+
+    @property
+    def state(self) -> dict[str, torch.Tensor]:
+        if self.keys is None or self.values is None:
+            return {}
+        return {"keys": self.keys[:, :, : self._length], "values": self.values[:, :, : self._length]}
+
+    @property
+    def meta_state(self) -> dict[str, Any]:
+        return {"max_cache_len": self.max_cache_len, "seq_length": self._length, "record_past": self._recording}
+
+    @classmethod
+    def from_state(cls, meta_state: dict[str, Any], state: dict[str, torch.Tensor]) -> Self:
+        name = cls.__name__
+        layer = cls(meta_state.get("max_cache_len"))  # type: ignore[arg-type]
+        length = nonneg_int(meta_state, "seq_length", name)
+        if length > layer.max_cache_len:
+            raise CacheInputError(f"{name}: seq_length {length} exceeds max_cache_len {layer.max_cache_len}")
+        if state:
+            if set(state) != {"keys", "values"}:
+                raise CacheInputError(f"{name}: expected tensors 'keys' and 'values', got {sorted(state)}")
+            check_loaded_pair(state["keys"], state["values"], length, name)
+            layer.lazy_initialization(state["keys"], state["values"])
+            assert layer.keys is not None and layer.values is not None
+            layer.keys[:, :, :length].copy_(state["keys"])
+            layer.values[:, :, :length].copy_(state["values"])
+        elif length:
+            raise CacheInputError(f"{name}: {length} token(s) announced but no keys/values given")
+        layer._length = length
+        layer._recording = bool(meta_state.get("record_past", False))
+        return layer
