@@ -1,6 +1,7 @@
 """KV caches for transformer-style models, with exact rollback of every layer kind."""
 
 from .cache import Cache, DynamicCache, StaticCache
+from .encoder_decoder import EncoderDecoderCache
 from .errors import (
     CacheFormatError,
     CacheInputError,
@@ -9,7 +10,16 @@ from .errors import (
     KVCacheError,
     RollbackError,
 )
-from .layers import LAYER_REGISTRY, CacheLayer, DynamicLayer, SlidingWindowLayer, StaticLayer
+from .layers import (
+    LAYER_REGISTRY,
+    CacheLayer,
+    DynamicLayer,
+    HybridLayer,
+    RecurrentLayer,
+    SlidingWindowLayer,
+    StaticLayer,
+)
+from .persistence import load_cache, save_cache
 
 __version__ = "0.1.0"
 
@@ -22,11 +32,16 @@ __all__ = [
     "CacheOverflowError",
     "DynamicCache",
     "DynamicLayer",
+    "EncoderDecoderCache",
     "GenerationError",
+    "HybridLayer",
     "KVCacheError",
+    "RecurrentLayer",
     "RollbackError",
     "SlidingWindowLayer",
     "StaticCache",
     "StaticLayer",
     "__version__",
+    "load_cache",
+    "save_cache",
 ]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any, Callable
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from typing_extensions import Self
@@ -51,7 +51,10 @@ class Cache:
             raise CacheInputError(f"layer_idx must be a non-negative int, got {layer_idx!r}")
         if create and self.layer_factory is not None:
             while len(self.layers) <= layer_idx:
-                self.layers.append(self.layer_factory())
+                layer = self.layer_factory()
+                if getattr(self, "_record_new_layers", False):  # recording was asked for before it existed
+                    layer.activate_past_recording()
+                self.layers.append(layer)
         if layer_idx >= len(self.layers):
             raise CacheInputError(f"layer_idx {layer_idx} out of range: the cache has {len(self.layers)} layer(s)")
         return self.layers[layer_idx]
@@ -75,12 +78,20 @@ class Cache:
         value_states: torch.Tensor,
         layer_idx: int,
         cache_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append keys/values to layer `layer_idx`; return what its attention must see."""
+        """Append keys/values to layer `layer_idx`; return what its attention must see.
+
+        Extra keyword arguments (transformers' BART/T5 pass `kwargs=`) are accepted and ignored."""
+        layers_before = len(self.layers)
         layer = self._layer(layer_idx, create=True)
-        if not layer.has_attention:
-            raise CacheInputError(f"update: layer {layer_idx} ({type(layer).__name__}) holds no keys/values")
-        return layer.update(key_states, value_states)
+        try:
+            if not layer.has_attention:
+                raise CacheInputError(f"update: layer {layer_idx} ({type(layer).__name__}) holds no keys/values")
+            return layer.update(key_states, value_states)
+        except Exception:
+            del self.layers[layers_before:]  # a failing update must not leave lazily created layers behind
+            raise
 
     def _first_attention_idx(self, layer_idx: int) -> int:
         """transformers' rule: layer 0 stands for the first layer that has a sequence length."""
@@ -178,9 +189,10 @@ class Cache:
             layer.crop(tokens_to_remove)
 
     def activate_past_recording(self) -> None:
-        """Every layer keeps what rollback needs from now on."""
+        """Every layer, including those created lazily later, keeps what rollback needs from now on."""
         for layer in self.layers:
             layer.activate_past_recording()
+        self._record_new_layers = True
 
     def is_recording_past(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` is recording (False for a layer not created yet)."""
@@ -197,7 +209,7 @@ class Cache:
 
     def _index_batch(self, index: Any, name: str) -> None:
         checked = [layer.check_batch_index(index, name) for layer in self.layers]
-        for layer, idx in zip(self.layers, checked):
+        for layer, idx in zip(self.layers, checked, strict=True):
             layer._index_batch(idx)
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:

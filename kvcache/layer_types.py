@@ -7,6 +7,8 @@ from typing import Callable
 from .errors import CacheInputError
 from .layers.base import CacheLayer
 from .layers.dynamic import DynamicLayer
+from .layers.hybrid import HybridLayer
+from .layers.recurrent import RecurrentLayer
 from .layers.sliding import SlidingWindowLayer
 
 
@@ -20,6 +22,15 @@ def _need_window(layer_type: str, sliding_window: int | None) -> int:
 LAYER_TYPE_BUILDERS: dict[str, Callable[[int | None, int], CacheLayer]] = {
     "full_attention": lambda window, states: DynamicLayer(),
     "sliding_attention": lambda window, states: SlidingWindowLayer(_need_window("sliding_attention", window)),
+    # conv / recurrent states only (Mamba, gated delta net, short conv): transformers' names and "mamba"
+    "linear_attention": lambda window, states: RecurrentLayer(states),
+    "mamba": lambda window, states: RecurrentLayer(states),
+    "conv": lambda window, states: RecurrentLayer(states),
+    # parallel hybrids: attention and recurrent states under one layer index
+    "hybrid": lambda window, states: HybridLayer(DynamicLayer(), RecurrentLayer(states)),
+    "hybrid_sliding": lambda window, states: HybridLayer(
+        SlidingWindowLayer(_need_window("hybrid_sliding", window)), RecurrentLayer(states)
+    ),
 }
 
 

@@ -2,7 +2,18 @@
 
 from .base import LAYER_REGISTRY, CacheLayer, register_layer
 from .dynamic import DynamicLayer
+from .hybrid import HybridLayer
+from .recurrent import RecurrentLayer
 from .sliding import SlidingWindowLayer
 from .static import StaticLayer
 
-__all__ = ["LAYER_REGISTRY", "CacheLayer", "DynamicLayer", "SlidingWindowLayer", "StaticLayer", "register_layer"]
+__all__ = [
+    "LAYER_REGISTRY",
+    "CacheLayer",
+    "DynamicLayer",
+    "HybridLayer",
+    "RecurrentLayer",
+    "SlidingWindowLayer",
+    "StaticLayer",
+    "register_layer",
+]

@@ -151,9 +151,14 @@ class CacheLayer(ABC):
 
     def check_batch_index(self, index: Any, name: str) -> torch.Tensor:
         """Validate a 1-D integer batch index against the held batch size; return it as a tensor."""
-        index = torch.as_tensor(index)
-        if index.dim() != 1 or index.dtype in (torch.bool,) or index.is_floating_point() or index.is_complex():
-            raise CacheInputError(f"{name} must be a 1-D integer tensor, got {index.dtype} of shape {tuple(index.shape)}")
+        try:
+            index = torch.as_tensor(index)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise CacheInputError(f"{name} must be a 1-D integer tensor, got {type(index).__name__}") from exc
+        if index.dim() != 1 or index.dtype == torch.bool or index.is_floating_point() or index.is_complex():
+            raise CacheInputError(
+                f"{name} must be a 1-D integer tensor, got {index.dtype} of shape {tuple(index.shape)}"
+            )
         size = self.batch_size
         if size is not None and index.numel() and (int(index.min()) < 0 or int(index.max()) >= size):
             raise CacheInputError(f"{name} holds values outside [0, {size}) (batch size of the cache)")

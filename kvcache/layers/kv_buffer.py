@@ -17,7 +17,9 @@ def _round_up(n: int, block: int = CAPACITY_BLOCK) -> int:
 def check_kv_pair(key_states: torch.Tensor, value_states: torch.Tensor, who: str) -> None:
     """Reject keys/values that are not a matching `[batch, heads, seq, dim]` pair."""
     if not isinstance(key_states, torch.Tensor) or not isinstance(value_states, torch.Tensor):
-        raise CacheInputError(f"{who}.update takes tensors, got {type(key_states).__name__}/{type(value_states).__name__}")
+        raise CacheInputError(
+            f"{who}.update takes tensors, got {type(key_states).__name__}/{type(value_states).__name__}"
+        )
     if key_states.dim() != 4 or value_states.dim() != 4:
         raise CacheInputError(
             f"{who}.update expects [batch, kv_heads, seq, head_dim] keys and values, got shapes "
@@ -58,7 +60,7 @@ class KVBuffer:
     mutating call.
     """
 
-    __slots__ = ("keys", "values", "start", "end")
+    __slots__ = ("end", "keys", "start", "values")
 
     def __init__(self) -> None:
         self.keys: torch.Tensor | None = None

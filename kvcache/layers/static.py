@@ -20,6 +20,12 @@ class StaticLayer(CacheLayer):
     `update` writes in place and returns the whole preallocated tensors (positions past the length
     are zero and masked out: `get_mask_sizes` reports `max_cache_len`), so shapes and addresses
     never change. Rollback zeroes the removed positions, so a crop-and-regrow is bitwise exact.
+
+    The length lives twice: as a host int (bookkeeping, checks) and as a 0-dim device tensor
+    advanced in place, which is what an `update` traced by `torch.compile` writes at. A compiled
+    update therefore reads no Python int (no recompilation per token, no host sync); it cannot
+    check for overflow, and it leaves the host copy to be re-read once from the device when next
+    needed.
     """
 
     is_compileable = True
@@ -31,7 +37,18 @@ class StaticLayer(CacheLayer):
         self.max_cache_len = max_cache_len
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
-        self._length = 0
+        self._host_length: int | None = 0  # None after compiled updates, until read back
+        self._position = torch.zeros((), dtype=torch.long)  # the length, on the keys' device
+
+    @property
+    def _length(self) -> int:
+        if self._host_length is None:
+            self._host_length = int(self._position)
+        return self._host_length
+
+    def _set_length(self, length: int) -> None:
+        self._host_length = length
+        self._position.fill_(length)
 
     @property
     def is_initialized(self) -> bool:
@@ -42,6 +59,7 @@ class StaticLayer(CacheLayer):
         batch, heads = key_states.shape[:2]
         self.keys = key_states.new_zeros(batch, heads, self.max_cache_len, key_states.shape[3])
         self.values = value_states.new_zeros(batch, heads, self.max_cache_len, value_states.shape[3])
+        self._position = self._position.to(key_states.device)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -52,6 +70,8 @@ class StaticLayer(CacheLayer):
             check_matches(self.keys, key_states, "keys", who)
             check_matches(self.values, value_states, "values", who)
         n = key_states.shape[2]
+        if torch.compiler.is_compiling():
+            return self._update_compiled(key_states, value_states)
         if self._length + n > self.max_cache_len:
             raise CacheOverflowError(
                 f"{who}: {self._length} + {n} token(s) exceed max_cache_len={self.max_cache_len}"
@@ -61,7 +81,21 @@ class StaticLayer(CacheLayer):
         assert self.keys is not None and self.values is not None
         self.keys[:, :, self._length : self._length + n].copy_(key_states)
         self.values[:, :, self._length : self._length + n].copy_(value_states)
-        self._length += n
+        self._set_length(self._length + n)
+        return self.keys, self.values
+
+    def _update_compiled(
+        self, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The traced write: positions from the device-side length, nothing read from the host."""
+        if self.keys is None:
+            self.lazy_initialization(key_states, value_states)
+        assert self.keys is not None and self.values is not None
+        positions = self._position + torch.arange(key_states.shape[2], device=self._position.device)
+        self.keys.index_copy_(2, positions, key_states)
+        self.values.index_copy_(2, positions, value_states)
+        self._position.add_(key_states.shape[2])
+        self._host_length = None
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -85,7 +119,7 @@ class StaticLayer(CacheLayer):
         assert self.keys is not None and self.values is not None
         self.keys[:, :, self._length - n : self._length].zero_()
         self.values[:, :, self._length - n : self._length].zero_()
-        self._length -= n
+        self._set_length(self._length - n)
 
     def _commit(self) -> None:
         pass  # nothing beyond the working set is ever kept
@@ -94,7 +128,7 @@ class StaticLayer(CacheLayer):
         if self.keys is not None and self.values is not None:
             self.keys[:, :, : self._length].zero_()
             self.values[:, :, : self._length].zero_()
-        self._length = 0
+        self._set_length(0)
 
     @property
     def batch_size(self) -> int | None:
@@ -135,6 +169,6 @@ class StaticLayer(CacheLayer):
             layer.values[:, :, :length].copy_(state["values"])
         elif length:
             raise CacheInputError(f"{name}: {length} token(s) announced but no keys/values given")
-        layer._length = length
+        layer._set_length(length)
         layer._recording = bool(meta_state.get("record_past", False))
         return layer

@@ -1,0 +1,266 @@
+"""What every benchmark scenario shares: timing with spread, Markdown tables, targets, JSON, plots.
+
+A scenario measures, then returns a `Section`: its tables (rendered to Markdown on stdout), its raw
+figures (written as JSON), the targets it checks (collected into the closing summary) and its plots
+(PNG, only when matplotlib is installed). Every timing is a `Timing`: all the samples of one
+quantity, summarised by the median and the min-max spread. Contenders are sampled in rotating
+order within each round (`rotate`), so a change in machine load hits all of them alike and the
+ratios taken from one run hold on a noisy machine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+K = TypeVar("K", bound=Hashable)
+
+#: Run sizes, smallest first: "smoke" (a few seconds per scenario, for the test suite), "quick"
+#: (about a minute for the whole suite) and "full".
+MODES = ("smoke", "quick", "full")
+
+
+# ------------------------------------------------------------------------------------ timing
+@dataclass(frozen=True)
+class Timing:
+    """Samples (seconds, or any per-unit figure) of one quantity: median and min-max spread."""
+
+    samples: tuple[float, ...]
+
+    @classmethod
+    def of(cls, samples: Sequence[float]) -> Timing:
+        if not samples:
+            raise ValueError("a Timing needs at least one sample")
+        return cls(tuple(float(s) for s in samples))
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def low(self) -> float:
+        return min(self.samples)
+
+    @property
+    def high(self) -> float:
+        return max(self.samples)
+
+    @property
+    def spread(self) -> float:
+        """Half the min-max range relative to the median (0.05 means +-5%)."""
+        return (self.high - self.low) / (2 * self.median) if self.median else 0.0
+
+    def scaled(self, factor: float) -> Timing:
+        """Every sample times `factor` (per-token figures, unit changes)."""
+        return Timing(tuple(s * factor for s in self.samples))
+
+    def cell(self, scale: float = 1e6, digits: int = 1) -> str:
+        """`median +-spread%` with the median multiplied by `scale` (default: seconds to us)."""
+        return f"{self.median * scale:,.{digits}f} ±{self.spread:.0%}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"median": self.median, "min": self.low, "max": self.high, "samples": list(self.samples)}
+
+
+def ratio(numerator: Timing, denominator: Timing) -> float:
+    """Ratio of medians (both measured in the same run)."""
+    return numerator.median / denominator.median
+
+
+def seconds(fn: Callable[[], Any]) -> float:
+    """Seconds one call of `fn` takes (its result is dropped after the clock stops)."""
+    start = time.perf_counter()
+    result = fn()
+    elapsed = time.perf_counter() - start
+    del result
+    return elapsed
+
+
+def timed_after(setup: Callable[[], Any], action: Callable[[Any], Any]) -> Callable[[], float]:
+    """A sampler: build a fresh object with `setup` (untimed), then time `action(obj)` once."""
+
+    def sample() -> float:
+        obj = setup()
+        return seconds(lambda: action(obj))
+
+    return sample
+
+
+def rotate(samplers: dict[K, Callable[[], Any]], reps: int, warmup: int = 0) -> dict[K, list[Any]]:
+    """Call every sampler `reps` times, one call each per round, starting each round one further
+    along the list; return every sampler's results. `warmup` untimed rounds go first."""
+    names = list(samplers)
+    for _ in range(warmup):
+        for name in names:
+            samplers[name]()
+    results: dict[K, list[Any]] = {name: [] for name in names}
+    for round_ in range(reps):
+        shift = round_ % len(names) if names else 0
+        for name in names[shift:] + names[:shift]:
+            results[name].append(samplers[name]())
+    return results
+
+
+def rotate_timings(samplers: dict[K, Callable[[], float]], reps: int, warmup: int = 0) -> dict[K, Timing]:
+    """`rotate` for samplers that return seconds: one `Timing` each."""
+    return {name: Timing.of(values) for name, values in rotate(samplers, reps, warmup).items()}
+
+
+# ------------------------------------------------------------------------------------ report
+@dataclass
+class Table:
+    """A Markdown table: a title line, column names (a leading ':' right-aligns) and string cells."""
+
+    title: str
+    columns: list[str]
+    rows: list[list[str]] = field(default_factory=list)
+
+    def add(self, *cells: Any) -> None:
+        if len(cells) != len(self.columns):
+            raise ValueError(f"table {self.title!r}: {len(cells)} cells for {len(self.columns)} columns")
+        self.rows.append([str(c) for c in cells])
+
+    def markdown(self) -> str:
+        names = [c.lstrip(":") for c in self.columns]
+        rule = ["---:" if c.startswith(":") else "---" for c in self.columns]
+        lines = [f"**{self.title}**", "", "| " + " | ".join(names) + " |", "| " + " | ".join(rule) + " |"]
+        lines += ["| " + " | ".join(row) + " |" for row in self.rows]
+        return "\n".join(lines)
+
+
+@dataclass
+class Target:
+    """A claim the tables must show, the figure that decides it, and whether it held."""
+
+    claim: str
+    target: str
+    measured: str
+    met: bool
+    note: str = ""
+
+
+@dataclass
+class Plot:
+    """A line plot: one series per name over shared x values (None where not measured); optional
+    `errors` give each series' (low, high) per point."""
+
+    name: str
+    title: str
+    xlabel: str
+    ylabel: str
+    x: list[float]
+    series: dict[str, list[float | None]]
+    errors: dict[str, list[tuple[float, float] | None]] = field(default_factory=dict)
+    logx: bool = False
+    logy: bool = False
+
+
+@dataclass
+class Section:
+    """What one scenario hands back."""
+
+    name: str
+    title: str
+    setup: str = ""
+    tables: list[Table] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    targets: list[Target] = field(default_factory=list)
+    figures: dict[str, Any] = field(default_factory=dict)
+    plots: list[Plot] = field(default_factory=list)
+
+    def markdown(self) -> str:
+        parts = [f"## {self.title}"]
+        if self.setup:
+            parts.append(self.setup)
+        parts += [table.markdown() for table in self.tables]
+        parts += self.notes
+        return "\n\n".join(parts) + "\n"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "title": self.title,
+            "setup": self.setup,
+            "tables": [asdict(t) for t in self.tables],
+            "notes": self.notes,
+            "targets": [asdict(t) for t in self.targets],
+            "figures": jsonable(self.figures),
+        }
+
+
+def targets_table(sections: Sequence[Section]) -> Table:
+    table = Table("Targets", ["scenario", "claim", "target", "measured", "met", "note"])
+    for section in sections:
+        for t in section.targets:
+            table.add(section.name, t.claim, t.target, t.measured, "yes" if t.met else "**no**", t.note)
+    return table
+
+
+def jsonable(value: Any) -> Any:
+    """`value` with Timings expanded, dict keys as strings and non-finite floats as None."""
+    if isinstance(value, Timing):
+        return value.to_json()
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def write_json(path: Path, meta: dict[str, Any], sections: Sequence[Section]) -> None:
+    payload = {"meta": jsonable(meta), "scenarios": {s.name: s.to_json() for s in sections}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1, allow_nan=False) + "\n")
+
+
+def write_plots(out: Path, sections: Sequence[Section]) -> list[Path]:
+    """One PNG per plot under `out`; none (and no error) when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    written = []
+    for section in sections:
+        for plot in section.plots:
+            fig, ax = plt.subplots(figsize=(7, 4.2))
+            for name, ys in plot.series.items():
+                points = [(x, y, e) for x, y, e in zip(plot.x, ys, plot.errors.get(name, [None] * len(ys))) if y]
+                if not points:
+                    continue
+                xs, vals, errs = zip(*points)
+                if all(e is not None for e in errs):
+                    yerr = [[v - e[0] for v, e in zip(vals, errs)], [e[1] - v for v, e in zip(vals, errs)]]
+                    ax.errorbar(xs, vals, yerr=yerr, marker="o", capsize=3, label=name)
+                else:
+                    ax.plot(xs, vals, marker="o", label=name)
+            ax.set(title=plot.title, xlabel=plot.xlabel, ylabel=plot.ylabel)
+            if plot.logx:
+                ax.set_xscale("log", base=2)
+            if plot.logy:
+                ax.set_yscale("log")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7)
+            fig.tight_layout()
+            path = out / f"{section.name}_{plot.name}.png"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+            written.append(path)
+    return written
+
+
+def series_of(timings: Sequence[Timing | None], scale: float = 1.0) -> tuple[list[float | None], list[Any]]:
+    """Plot values (medians) and error bars (min, max) of a row of Timings, scaled."""
+    values = [None if t is None else t.median * scale for t in timings]
+    errors = [None if t is None else (t.low * scale, t.high * scale) for t in timings]
+    return values, errors

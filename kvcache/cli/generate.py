@@ -1,0 +1,137 @@
+"""`kvcache generate PROMPT`: stream text from the bundled default model, optionally saving or
+resuming from the prompt's cache.
+
+Stdout carries only the generated text; what was reused and how fast it ran goes to stderr.
+
+Exact resumption: floating-point results depend on how a prompt is split into forward calls, so
+the prompt is always fed in blocks of `PREFILL_BLOCK` tokens aligned to absolute positions, then
+the rest but its last token, then the last token as the first decoding step. `--save-cache`
+stores the cache after the whole blocks (and the prompt's tokens as metadata), so a run resumed
+with `--cache`, on the same prompt or one extending it, makes exactly the forward calls an
+uninterrupted run makes from there on, and prints exactly the same text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import GenerationError
+
+DEFAULT_MAX_NEW_TOKENS = 200
+DEFAULT_TEMPERATURE = 0.8
+DEFAULT_SEED = 0
+DEFER_CHOICES = {"auto": None, "on": True, "off": False}
+#: Prompt tokens per prefill forward call (and the granularity of a saved prompt cache).
+PREFILL_BLOCK = 16
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "generate",
+        help="stream text from the bundled character-level model",
+        description="Stream text from the bundled character-level model. Stdout: the generated text only.",
+    )
+    parser.add_argument("prompt", help="the text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+                        help=f"tokens to generate (default {DEFAULT_MAX_NEW_TOKENS}; 0 only builds the prompt's cache)")
+    parser.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE,
+                        help=f"sampling temperature (default {DEFAULT_TEMPERATURE}; 0 means greedy)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (default 0 = all)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"random seed (default {DEFAULT_SEED})")
+    parser.add_argument("--defer-stop", choices=sorted(DEFER_CHOICES), default="auto",
+                        help="read the stop decision one step late (auto: on asynchronous devices only)")
+    parser.add_argument("--save-cache", metavar="FILE", help="save the prompt's cache (and its tokens) to FILE")
+    parser.add_argument("--cache", metavar="FILE",
+                        help="resume from a cache saved with --save-cache (the prompt must start with its prompt)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="CPU threads for torch (default 1: the bundled model is too small to gain from more)")
+    parser.set_defaults(func=run)  # fmt: skip
+
+    def one_line_error(message: str) -> None:  # argparse prints the whole usage block otherwise
+        parser.exit(2, f"kvcache generate: error: {message} (see kvcache generate -h)\n")
+
+    parser.error = one_line_error  # type: ignore[method-assign]
+
+
+def model_id(weights_dir: Path) -> str:
+    """Names the bundled model by the hash of its weights and config, so a cache saved with other
+    weights is refused."""
+    digest = hashlib.sha256()
+    for name in ("default.json", "default.safetensors"):
+        digest.update((weights_dir / name).read_bytes())
+    return f"kvcache-default-{digest.hexdigest()[:16]}"
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..generation import TextStreamer, generate
+    from ..models import default
+    from ..persistence import load_cache, save_cache
+
+    if args.max_new_tokens < 0:
+        raise GenerationError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.temperature < 0:
+        raise GenerationError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.threads < 1:
+        raise GenerationError(f"--threads must be >= 1, got {args.threads}")
+    if not args.prompt:
+        raise GenerationError("the prompt is empty")
+    torch.set_num_threads(args.threads)
+    loaded = load_cache(args.cache, return_metadata=True) if args.cache else None  # a bad file fails fast
+    model, tokenizer = default.load_default_model(weights_dir=default.WEIGHTS_DIR)
+    ids = tokenizer.encode(args.prompt)
+    this_model = model_id(default.WEIGHTS_DIR)
+
+    cache, reused = model.new_cache(), 0
+    if loaded is not None:
+        cache, metadata = loaded
+        saved, reused = metadata.get("prompt_ids"), metadata.get("cached_tokens")
+        if metadata.get("model") != this_model or not isinstance(saved, list) or not isinstance(reused, int):
+            raise GenerationError(f"{args.cache} is not a prompt cache of this model (saved with --save-cache?)")
+        if ids[: len(saved)] != saved:
+            raise GenerationError(
+                f"the prompt does not start with the prompt saved in {args.cache} ({_preview(tokenizer.decode(saved))})"
+            )
+        if cache.get_seq_length() != reused or reused % PREFILL_BLOCK or reused >= len(saved):
+            raise GenerationError(f"{args.cache}: the cache holds {cache.get_seq_length()} tokens, not {reused}")
+    prompt = torch.tensor([ids], dtype=torch.long, device=model.device)
+
+    started = time.perf_counter()
+    whole_blocks = (len(ids) - 1) // PREFILL_BLOCK * PREFILL_BLOCK
+    with torch.no_grad():
+        for start in range(reused, whole_blocks, PREFILL_BLOCK):
+            model(prompt[:, start : start + PREFILL_BLOCK], cache=cache)
+    if args.save_cache:
+        metadata = {"model": this_model, "prompt_ids": ids, "cached_tokens": whole_blocks}
+        save_cache(cache, args.save_cache, metadata=metadata)
+    built = generate(model, prompt, cache=cache, max_new_tokens=0)  # the rest of the prompt but its last token
+    prefill_s = time.perf_counter() - started
+    print(f"prompt: {len(ids)} tokens, {reused} reused from the cache, {len(ids) - 1 - reused} prefilled "
+          f"in {prefill_s * 1e3:.1f} ms", file=sys.stderr)  # fmt: skip
+    if args.max_new_tokens == 0:
+        return 0
+
+    sampling = args.temperature > 0
+    generator = torch.Generator(device=model.device).manual_seed(args.seed)
+    started = time.perf_counter()
+    out = generate(
+        model, prompt, cache=built.cache, max_new_tokens=args.max_new_tokens,
+        eos_token_id=tokenizer.eos_token_id, do_sample=sampling, temperature=args.temperature if sampling else 1.0,
+        top_k=args.top_k, top_p=args.top_p, generator=generator, streamer=TextStreamer(tokenizer),
+        defer_stop=DEFER_CHOICES[args.defer_stop],
+    )  # fmt: skip
+    elapsed = time.perf_counter() - started
+    new = out.sequences.shape[1] - len(ids)
+    print(f"generated {new} tokens in {elapsed:.2f} s ({new / max(elapsed, 1e-9):.1f} tokens/s)", file=sys.stderr)
+    return 0
+
+
+def _preview(text: str, limit: int = 40) -> str:
+    return repr(text if len(text) <= limit else text[:limit] + "...")

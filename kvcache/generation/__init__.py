@@ -1,0 +1,27 @@
+"""Text generation with kvcache caches: `generate`, its stop checks, sampling and streamers, and
+speculative decoding (`speculative_generate` with a draft model or prompt lookup)."""
+
+from .drafters import Draft, Drafter, ModelDrafter, PromptLookupDrafter
+from .driver import GenerationOutput, generate
+from .sampling import Sampling
+from .speculative import SpeculativeOutput, speculative_generate
+from .stop import DeferredStopCheck, StopCheck, is_async_device
+from .streamers import Streamer, TextStreamer, TokenCollector
+
+__all__ = [
+    "DeferredStopCheck",
+    "Draft",
+    "Drafter",
+    "GenerationOutput",
+    "ModelDrafter",
+    "PromptLookupDrafter",
+    "Sampling",
+    "SpeculativeOutput",
+    "StopCheck",
+    "Streamer",
+    "TextStreamer",
+    "TokenCollector",
+    "generate",
+    "is_async_device",
+    "speculative_generate",
+]

@@ -1,0 +1,61 @@
+"""Turning next-token logits into scores and picking tokens: temperature, top-k, top-p, argmax."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import GenerationError
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen. `do_sample=False` is greedy (argmax of the raw logits);
+    otherwise the logits are divided by `temperature`, cut to the `top_k` best (0 = no cut) and to
+    the smallest set of probability mass `top_p`, in that order (transformers' order), and sampled."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.do_sample, bool):
+            raise GenerationError(f"do_sample must be a bool, got {self.do_sample!r}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
+            raise GenerationError(f"temperature must be a number, got {self.temperature!r}")
+        if self.do_sample and not self.temperature > 0:
+            raise GenerationError(f"temperature must be > 0 when sampling, got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise GenerationError(f"top_k must be an int >= 0 (0 = no top-k cut), got {self.top_k!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise GenerationError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """Float32 scores `[batch, vocab]` of the next token (what `output_scores` returns)."""
+        if self.do_sample and self.temperature != 1:
+            scores = logits.float() / self.temperature
+        else:
+            scores = logits.float()
+            if scores is logits:  # never alias the model's output (it may hold the whole prefill)
+                scores = scores.clone()
+        if not self.do_sample:
+            return scores
+        if 0 < self.top_k < scores.shape[-1]:
+            kth_best = torch.topk(scores, self.top_k, dim=-1).values[:, -1:]
+            scores = scores.masked_fill(scores < kth_best, -float("inf"))
+        if self.top_p < 1:
+            sorted_scores, order = torch.sort(scores, dim=-1)
+            cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+            drop_sorted = cumulative <= 1 - self.top_p
+            drop_sorted[:, -1] = False  # the best token always stays
+            scores = scores.masked_fill(drop_sorted.scatter(1, order, drop_sorted), -float("inf"))
+        return scores
+
+    def select(self, scores: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """The next token of every row `[batch]` (long), drawn with `generator` when sampling."""
+        if not self.do_sample:
+            return scores.argmax(dim=-1)
+        probs = scores.softmax(dim=-1)
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1)

@@ -1,0 +1,316 @@
+"""Speculative decoding with exact rollback of both caches, for every model and layer kind.
+
+A drafter proposes k tokens; the target verifies them in one forward; the longest accepted prefix
+plus one token from the target are kept, and both caches are cropped back to exactly the kept
+tokens and committed. With greedy decoding the output is the target's own greedy output; with
+sampling the standard speculative-sampling rule (Leviathan et al. 2023, Chen et al. 2023) keeps the
+output distribution equal to the target's.
+
+Recurrent layers can be cropped inside the verify forward only when the model handed the cache the
+per-token intermediate states; otherwise the target is cropped to the start of the verify forward
+and the accepted tokens are fed again (one more forward). `SpeculativeOutput` says which ran.
+
+Batch size 1 only: with a batch, rows accept different numbers of tokens and would need per-row
+cache lengths.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..cache import Cache
+from ..errors import GenerationError
+from .drafters import Draft, Drafter, ModelDrafter
+from .inputs import check_generator, check_ids, check_int, check_model, check_token_list
+from .sampling import Sampling
+from .speculative_runner import NO_ROLLBACK, REFEED, ModelRunner
+
+
+@dataclass
+class SpeculativeOutput:
+    """What `speculative_generate` produced, and how the speculation went.
+
+    `cache` is the target's cache holding every token of `sequences` but the last (as after plain
+    decoding); `draft_cache` the draft model's (None for model-free drafters). Per verification
+    step: `proposed_per_step` draft tokens proposed, `accepted_per_step` of them accepted,
+    `emitted_per_step` tokens appended (accepted ones plus the target's own, cut at eos and
+    `max_new_tokens`). `target_rollback_paths` counts the steps by how the target cache was cut back:
+    "none" (nothing to drop), "crop" (one exact crop; for recurrent layers this needs intermediate
+    states) or "refeed" (crop to the step start and feed the accepted tokens again).
+    """
+
+    sequences: torch.Tensor
+    cache: Cache
+    draft_cache: Cache | None
+    target_forwards: int
+    draft_forwards: int
+    proposed_per_step: list[int] = field(default_factory=list)
+    accepted_per_step: list[int] = field(default_factory=list)
+    emitted_per_step: list[int] = field(default_factory=list)
+    target_rollback_paths: Counter[str] = field(default_factory=Counter)
+    draft_rollback_paths: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def num_new_tokens(self) -> int:
+        return sum(self.emitted_per_step)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens (0.0 when nothing was proposed)."""
+        proposed = sum(self.proposed_per_step)
+        return sum(self.accepted_per_step) / proposed if proposed else 0.0
+
+    @property
+    def tokens_per_target_forward(self) -> float:
+        return self.num_new_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def rollback_path(self) -> str:
+        """How the target was rolled back: "refeed" if it ever had to re-feed, else "crop" if it
+        cropped, else "none"."""
+        for path in (REFEED, "crop"):
+            if self.target_rollback_paths[path]:
+                return path
+        return NO_ROLLBACK
+
+
+class _Verifier:
+    """Greedy picking, or temperature / top-k / top-p sampling (`Sampling`, the same processing
+    `generate` uses), applied alike to the target and a draft model, and the acceptance rule."""
+
+    def __init__(self, sampling: Sampling, generator: torch.Generator | None) -> None:
+        self.sampling = sampling
+        self.do_sample = sampling.do_sample
+        self.generator = generator
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The sampling distribution of each row of `logits` `[rows, vocab]` (float32)."""
+        return self.sampling.scores(logits).softmax(-1)
+
+    def sample(self, probs: torch.Tensor) -> int:
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def pick(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """A draft model's choice at one position: its argmax, or a sample and its distribution."""
+        if not self.do_sample:
+            return int(self.sampling.scores(logits[None]).argmax()), None
+        q = self.probs(logits[None])[0]
+        return self.sample(q), q
+
+    def verify(self, draft: Draft, target_logits: torch.Tensor) -> tuple[int, list[int]]:
+        """Check `draft` against the target's logits for the pending token and every draft token
+        (`[n + 1, vocab]`); return (number of draft tokens accepted, tokens to append)."""
+        n = len(draft.tokens)
+        if not self.do_sample:
+            choice = self.sampling.scores(target_logits).argmax(-1).tolist()
+            accepted = 0
+            while accepted < n and draft.tokens[accepted] == choice[accepted]:
+                accepted += 1
+            return accepted, [*draft.tokens[:accepted], choice[accepted]]
+        p = self.probs(target_logits)
+        if n == 0:
+            return 0, [self.sample(p[0])]
+        proposed = torch.tensor(draft.tokens, device=p.device)
+        rows = torch.arange(n, device=p.device)
+        p_x = p[rows, proposed]
+        q_x = draft.probs[rows, proposed].to(p.dtype) if draft.probs is not None else torch.ones_like(p_x)
+        # Accept x with probability min(1, p(x) / q(x)); keep the prefix before the first rejection.
+        uniform = torch.rand(n, generator=self.generator, device=p.device, dtype=p.dtype)
+        rejected = (uniform * q_x > p_x).tolist()
+        accepted = rejected.index(True) if True in rejected else n
+        if accepted == n:
+            return n, [*draft.tokens, self.sample(p[n])]  # the bonus token, from the target alone
+        if draft.probs is not None:
+            residual = (p[accepted] - draft.probs[accepted].to(p.dtype)).clamp_min(0)
+        else:  # a point-mass draft: max(0, p - onehot(x)) is p without x
+            residual = p[accepted].clone()
+            residual[draft.tokens[accepted]] = 0
+        if not bool(residual.sum() > 0):  # p == q up to rounding: a rejection had probability ~0
+            residual = p[accepted]
+        return accepted, [*draft.tokens[:accepted], self.sample(residual / residual.sum())]
+
+
+def speculative_generate(
+    target: Any,
+    draft: Any,
+    input_ids: torch.Tensor,
+    *,
+    num_draft_tokens: int = 4,
+    max_new_tokens: int,
+    eos_token_id: int | list[int] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+    intermediate_states: bool | None = None,
+) -> SpeculativeOutput:
+    """Decode `max_new_tokens` tokens (fewer at eos) from `target`, drafting with `draft`.
+
+    `target` is a `CausalLM` (`input_ids` is the prompt) or an `EncoderDecoderLM` (`input_ids` is
+    the encoder input; decoding starts from `decoder_start_token_id`). `draft` is a `Drafter`
+    (e.g. `PromptLookupDrafter()`) or a draft model of the same kind and vocabulary, which is wrapped
+    in a `ModelDrafter`. Each step proposes up to `num_draft_tokens` tokens and verifies them in one
+    target forward. Greedy (`do_sample=False`) returns exactly the target's greedy output; sampling
+    returns a sample of the target's own (temperature / top-k / top-p processed) distribution.
+    `intermediate_states`: have a model with `set_return_intermediate_states` hand its per-token
+    recurrent states to the cache during verification, so rejected tokens are cropped in place;
+    None = whenever the target supports it; False = never (rollback re-feeds the accepted tokens).
+    Batch size 1 only (`attention_mask`, if given, must be all ones; for encoder-decoder targets it
+    is the encoder mask).
+    """
+    encoder_decoder = check_model(target)
+    drafter = _as_drafter(target, draft, encoder_decoder)
+    input_ids = check_ids("input_ids", input_ids, int(target.vocab_size))
+    _check_batch_one(input_ids, attention_mask)
+    check_int("num_draft_tokens", num_draft_tokens, minimum=1)
+    check_int("max_new_tokens", max_new_tokens, minimum=1)
+    eos = frozenset(check_token_list("eos_token_id", eos_token_id, int(target.vocab_size)))
+    device = input_ids.device
+    check_generator(generator, device)
+    verifier = _Verifier(Sampling(do_sample, temperature, top_k, top_p), generator)
+    use_intermediate = _intermediate_states_switch(target, intermediate_states)
+
+    runner = ModelRunner(
+        target,
+        device=device,
+        encoder_input_ids=input_ids if encoder_decoder else None,
+        encoder_attention_mask=attention_mask if encoder_decoder else None,
+    )
+    if encoder_decoder:
+        sequence = [int(target.decoder_start_token_id)]
+        drafter.start(sequence, device=device, encoder_input_ids=input_ids, encoder_attention_mask=attention_mask)
+    else:
+        sequence = input_ids[0].tolist()
+        drafter.start(sequence, device=device)
+    if len(sequence) > 1:
+        runner.feed(sequence[:-1])  # prefill before recording: the prompt costs no rollback memory
+    runner.start_recording()
+    runner.forwards = 0  # count decoding forwards only
+    restore = use_intermediate(True)
+    try:
+        out = _decode(runner, drafter, verifier, sequence, num_draft_tokens, max_new_tokens, eos)
+    finally:
+        restore()
+    out.sequences = torch.tensor([sequence], dtype=torch.long, device=device)
+    return out
+
+
+def _decode(
+    runner: ModelRunner,
+    drafter: Drafter,
+    verifier: _Verifier,
+    sequence: list[int],
+    num_draft_tokens: int,
+    max_new_tokens: int,
+    eos: frozenset[int],
+) -> SpeculativeOutput:
+    """The draft / verify / roll back loop; extends `sequence` in place."""
+    out = SpeculativeOutput(
+        sequences=torch.empty(0), cache=runner.cache, draft_cache=None, target_forwards=0, draft_forwards=0
+    )
+    generated = 0
+    while generated < max_new_tokens:
+        budget = min(num_draft_tokens, max_new_tokens - generated - 1)  # the target adds one token itself
+        proposal = drafter.propose(sequence, budget, verifier.pick) if budget > 0 else Draft([])
+        proposal = _checked(proposal, budget, runner.vocab_size)
+        logits = runner.feed(sequence[-1:] + proposal.tokens)
+        accepted, new_tokens = verifier.verify(proposal, logits)
+        new_tokens = new_tokens[: max_new_tokens - generated]
+        hit_eos = next((i for i, t in enumerate(new_tokens) if t in eos), None)
+        if hit_eos is not None:
+            new_tokens = new_tokens[: hit_eos + 1]
+        sequence.extend(new_tokens)
+        generated += len(new_tokens)
+        out.target_rollback_paths[runner.truncate(len(sequence) - 1)] += 1
+        out.draft_rollback_paths[drafter.accept(sequence)] += 1
+        out.proposed_per_step.append(len(proposal.tokens))
+        out.accepted_per_step.append(accepted)
+        out.emitted_per_step.append(len(new_tokens))
+        if hit_eos is not None:
+            break
+
+    out.target_forwards = runner.forwards
+    out.draft_forwards = drafter.forwards
+    out.draft_cache = drafter.cache
+    return out
+
+
+# ------------------------------------------------------------------------------------- validation
+def _as_drafter(target: Any, draft: Any, encoder_decoder: bool) -> Drafter:
+    if encoder_decoder and not isinstance(getattr(target, "decoder_start_token_id", None), int):
+        raise GenerationError(f"encoder-decoder target {type(target).__name__} has no int decoder_start_token_id")
+    drafter = draft if isinstance(draft, Drafter) else ModelDrafter(draft)
+    if isinstance(drafter, ModelDrafter):
+        if check_model(drafter.model) != encoder_decoder:
+            kinds = ("decoder-only", "encoder-decoder")
+            raise GenerationError(
+                f"the draft model is {kinds[not encoder_decoder]} but the target is {kinds[encoder_decoder]}: "
+                "both must be of the same kind"
+            )
+        if drafter.vocab_size != int(target.vocab_size):
+            raise GenerationError(
+                f"draft vocabulary ({drafter.vocab_size}) differs from the target's ({target.vocab_size})"
+            )
+    return drafter
+
+
+def _check_batch_one(input_ids: torch.Tensor, attention_mask: Any) -> None:
+    if input_ids.shape[0] != 1:
+        raise GenerationError(
+            f"speculative decoding supports batch size 1 only, got {input_ids.shape[0]} rows "
+            "(rows would accept different numbers of tokens)"
+        )
+    if attention_mask is not None and (
+        not isinstance(attention_mask, torch.Tensor)
+        or tuple(attention_mask.shape) != tuple(input_ids.shape)
+        or not bool((attention_mask == 1).all())
+    ):
+        raise GenerationError("attention_mask must be None or all ones of input_ids' shape (batch 1, no padding)")
+
+
+def _intermediate_states_switch(target: Any, wanted: bool | None) -> Callable[[bool], Callable[[], None]]:
+    """A function that sets the target's intermediate-states switch and returns its undo."""
+    setter = getattr(target, "set_return_intermediate_states", None)
+    if wanted is not None and not isinstance(wanted, bool):
+        raise GenerationError(f"intermediate_states must be None, True or False, got {wanted!r}")
+    if wanted and setter is None:
+        raise GenerationError(
+            f"intermediate_states=True but {type(target).__name__} has no set_return_intermediate_states()"
+        )
+    if setter is None or wanted is False:
+        return lambda enabled: lambda: None
+
+    def switch(enabled: bool) -> Callable[[], None]:
+        flagged = [m for m in getattr(target, "modules", list)() if hasattr(m, "return_intermediate_states")]
+        before = [m.return_intermediate_states for m in flagged]
+        setter(enabled)
+
+        def restore() -> None:
+            for module, value in zip(flagged, before, strict=True):
+                module.return_intermediate_states = value
+
+        return restore
+
+    return switch
+
+
+def _checked(draft: Draft, budget: int, vocab_size: int) -> Draft:
+    """Reject a drafter's output that does not fit (too many tokens, ids out of range, bad probs)."""
+    if not isinstance(draft, Draft):
+        raise GenerationError(f"a drafter must return a Draft, got {type(draft).__name__}")
+    if len(draft.tokens) > budget:
+        raise GenerationError(f"the drafter proposed {len(draft.tokens)} tokens, more than the {budget} asked for")
+    if any(not 0 <= t < vocab_size for t in draft.tokens):
+        raise GenerationError(f"the drafter proposed token ids outside [0, {vocab_size})")
+    if draft.probs is not None and tuple(draft.probs.shape) != (len(draft.tokens), vocab_size):
+        raise GenerationError(
+            f"draft probs have shape {tuple(draft.probs.shape)}, expected ({len(draft.tokens)}, {vocab_size})"
+        )
+    return draft

@@ -1,0 +1,134 @@
+"""One model and its cache inside speculative decoding: feed tokens, remember them, roll back exactly.
+
+Both the target and a draft model go through a `ModelRunner`. It knows which tokens its cache
+holds and how the forwards since the last commit were chunked, because a recurrent layer can only
+be cropped inside a forward when the model handed the per-token intermediate states over; where
+it did not, `truncate` crops to the start of that forward and re-feeds the kept tokens instead
+(the "refeed" path), so the result is the same either way and the caller learns which path ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..errors import GenerationError, RollbackError
+
+#: `ModelRunner.truncate` results: nothing to drop, dropped by one exact crop, or by crop + re-feed.
+NO_ROLLBACK, CROP, REFEED = "none", "crop", "refeed"
+
+
+class ModelRunner:
+    """Feeds batch-1 token chunks to a `CausalLM` or `EncoderDecoderLM` and keeps its cache exact.
+
+    `tokens` are the tokens the cache holds, in order; positions are counted from them (so a cache
+    made of recurrent layers only, which has no sequence length, still gets the right positions).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        device: torch.device,
+        encoder_input_ids: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        model_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.is_encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
+        self.cache = model.new_cache()
+        self.tokens: list[int] = []
+        self.forwards = 0  # model calls, re-feeds included
+        self.refeeds = 0  # model calls spent on the re-feed fallback
+        self._model_kwargs = dict(model_kwargs or {})
+        self._step_sizes: list[int] = []  # sizes of the forwards since the commit point
+        self._committed_length = 0  # tokens held at the commit point
+        self._encoder_kwargs: dict[str, Any] = {}
+        if self.is_encoder_decoder:
+            if encoder_input_ids is None:
+                raise GenerationError(f"{type(model).__name__} is an encoder-decoder model: it needs encoder input ids")
+            with torch.no_grad():
+                hidden = model.encode(encoder_input_ids, encoder_attention_mask)
+            self._encoder_kwargs = {"encoder_hidden_states": hidden, "encoder_attention_mask": encoder_attention_mask}
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.vocab_size)
+
+    @property
+    def committed_length(self) -> int:
+        """Tokens held at the commit point (no rollback reaches below it)."""
+        return self._committed_length
+
+    def feed(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Run the model on `tokens` (appended to its cache); return their logits `[len(tokens), vocab]`."""
+        n = len(tokens)
+        start = len(self.tokens)
+        input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
+        position_ids = torch.arange(start, start + n, device=self.device).unsqueeze(0)
+        with torch.no_grad():
+            logits = self.model(
+                input_ids, cache=self.cache, position_ids=position_ids, **self._encoder_kwargs, **self._model_kwargs
+            )
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or tuple(logits.shape[:2]) != (1, n):
+            shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+            raise GenerationError(f"{type(self.model).__name__} returned logits {shape}, expected [1, {n}, vocab]")
+        self.tokens.extend(int(t) for t in tokens)
+        self._step_sizes.append(n)
+        self.forwards += 1
+        return logits[0]
+
+    def start_recording(self) -> None:
+        """Make the current content the commit point and record what rollback needs from now on."""
+        self.cache.activate_past_recording()
+        self._step_sizes.clear()
+        self._committed_length = len(self.tokens)
+
+    def truncate(self, length: int) -> str:
+        """Keep the first `length` tokens, exactly as if nothing after them had been fed, then commit.
+
+        Tries one exact `crop`; where the cache refuses (a recurrent layer asked to stop inside a
+        forward whose intermediate states it never got), crops to the start of that forward and
+        re-feeds the kept part of it. Returns the path taken: "none", "crop" or "refeed".
+        """
+        drop = len(self.tokens) - length
+        if drop < 0 or length < self._committed_length:
+            raise RollbackError(
+                f"cannot truncate to {length} tokens: the cache holds {len(self.tokens)}, "
+                f"{self._committed_length} of them committed"
+            )
+        path = NO_ROLLBACK
+        if drop:
+            try:
+                self.cache.check_crop(-drop)
+            except RollbackError:
+                self._crop_and_refeed(length)
+                path = REFEED
+            else:
+                self.cache.crop(-drop)
+                del self.tokens[length:]
+                path = CROP
+        self._commit()
+        return path
+
+    def _crop_and_refeed(self, length: int) -> None:
+        """Crop to the start of the forward that holds token `length`, then feed the kept part again."""
+        boundary = len(self.tokens)
+        for size in reversed(self._step_sizes):
+            if boundary <= length:
+                break
+            boundary -= size
+        self.cache.crop(-(len(self.tokens) - boundary))  # RollbackError when even a step boundary is out of reach
+        refeed = self.tokens[boundary:length]
+        del self.tokens[boundary:]
+        if refeed:
+            self.feed(refeed)
+            self.refeeds += 1
+
+    def _commit(self) -> None:
+        self.cache.crop(0)
+        self._step_sizes.clear()
+        self._committed_length = len(self.tokens)

@@ -1,0 +1,74 @@
+"""Streamers: receive each generated step's tokens as soon as the driver knows they are final."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from typing import Any, Protocol, TextIO, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class Streamer(Protocol):
+    """What `generate(streamer=...)` calls: `put` once per kept step with that step's tokens
+    (a CPU tensor `[batch]`), then `end` once. The prompt is not streamed."""
+
+    def put(self, token_ids: torch.Tensor) -> None: ...
+
+    def end(self) -> None: ...
+
+
+class TokenCollector:
+    """A streamer that keeps every step's tokens: `steps` is a list of `[batch]` lists."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[int]] = []
+        self.ended = 0
+
+    def put(self, token_ids: torch.Tensor) -> None:
+        self.steps.append([int(t) for t in token_ids.reshape(-1).tolist()])
+
+    def end(self) -> None:
+        self.ended += 1
+
+
+class TextStreamer:
+    """Prints the decoded text of a single sequence (batch size 1) as its tokens arrive.
+
+    Decodes the whole generated text each step and prints what is new, holding back a trailing
+    replacement character (an incomplete multi-byte character of a byte-level tokenizer).
+    Tokens in `skip_token_ids` (e.g. end of sequence) are not printed.
+    """
+
+    def __init__(self, tokenizer: Any, *, file: TextIO | None = None, skip_token_ids: Iterable[int] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.file = file
+        self.skip = {int(t) for t in skip_token_ids}
+        self.token_ids: list[int] = []
+        self.printed = 0
+
+    def put(self, token_ids: torch.Tensor) -> None:
+        ids = token_ids.reshape(-1).tolist()
+        if len(ids) != 1:
+            raise ValueError(f"TextStreamer streams one sequence, got a batch of {len(ids)}")
+        if ids[0] not in self.skip:
+            self.token_ids.append(int(ids[0]))
+            self._emit(final=False)
+
+    def end(self) -> None:
+        self._emit(final=True)
+        out = self.file if self.file is not None else sys.stdout
+        out.write("\n")
+        out.flush()
+        self.token_ids, self.printed = [], 0
+
+    def _emit(self, *, final: bool) -> None:
+        text = self.tokenizer.decode(self.token_ids)
+        if not final and text.endswith("\ufffd"):
+            return
+        if len(text) > self.printed:
+            out = self.file if self.file is not None else sys.stdout
+            out.write(text[self.printed :])
+            out.flush()
+            self.printed = len(text)

@@ -1,0 +1,228 @@
+"""A kvcache cache as transformers model code sees it: a thin `transformers.Cache` subclass that forwards.
+
+Why a subclass and not duck typing: transformers 5.x model code branches on `isinstance` in places
+that decide correctness, not style. `masking_utils.find_first_full_attention_index` sizes the
+full-attention mask from layer 0 unless the cache `isinstance(cache, transformers.Cache)` (so Gemma3,
+whose layer 0 is a sliding layer, would get a sliding-sized mask for its global layers), and Bart/T5
+attention only routes keys/values to the cross-attention cache when `isinstance(cache,
+transformers.EncoderDecoderCache)`. A duck-typed kvcache cache cannot pass those checks, and core
+kvcache must not import transformers, so the integration builds these adapters: they hold no
+tokens, only a reference to the kvcache cache, and answer every call the model code makes by
+forwarding it. Everything (contents, recording, rollback, saving) stays in the kvcache cache;
+an adapter is built per forward call in O(1) and can be thrown away.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache as HFCache
+from transformers.cache_utils import EncoderDecoderCache as HFEncoderDecoderCache
+
+from ..cache import Cache
+from ..encoder_decoder import EncoderDecoderCache
+from ..errors import CacheInputError
+
+
+class TransformersCache(HFCache):
+    """A kvcache `Cache` behind transformers' `Cache` interface (attention, sliding, conv/recurrent calls).
+
+    `self.cache` is the kvcache cache; every call is forwarded to it with transformers' argument order.
+    """
+
+    def __init__(self, cache: Cache) -> None:  # transformers' __init__ would build its own layers: not called
+        if not isinstance(cache, Cache):
+            raise CacheInputError(f"TransformersCache wraps a kvcache Cache, got {type(cache).__name__}")
+        self.cache = cache
+        self.layer_class_to_replicate = None
+        self.offloading = False
+
+    @property
+    def layers(self) -> list[Any]:  # type: ignore[override]
+        """The kvcache layers (model code reads `cache.layers[i].keys` for cross-attention)."""
+        return self.cache.layers
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.cache!r})"
+
+    # ----------------------------------------------------------------------------- attention
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # transformers passes `kwargs=` / `cache_kwargs` (rope sin/cos, cache positions): kvcache layers need none.
+        return self.cache.update(key_states, value_states, layer_idx)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.cache.get_seq_length(layer_idx)
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.cache.get_query_offset(layer_idx)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return self.cache.get_mask_sizes(query_length, layer_idx)
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self.cache.get_max_length(layer_idx)
+
+    def early_initialization(self, *args: Any, **kwargs: Any) -> None:
+        """kvcache layers allocate on their first update; nothing to do ahead of time."""
+
+    # ----------------------------------------------------------------------------- recurrent
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self.cache.get_conv_state(layer_idx, state_idx)
+
+    def update_conv_state(
+        self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
+    ) -> torch.Tensor:
+        return self.cache.update_conv_state(conv_states, layer_idx, state_idx, **kwargs)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self.cache.get_recurrent_state(layer_idx, state_idx)
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
+    ) -> torch.Tensor:
+        return self.cache.update_recurrent_state(recurrent_states, layer_idx, state_idx, **kwargs)
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return self.cache.has_previous_state(layer_idx, state_idx)
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        """True for every layer with conv/recurrent states, else the layer's recording flag.
+
+        transformers 5.x model code asks this only to choose its single-token decode path: on False
+        it updates the held conv window in place and never tells the cache, so a kvcache layer could
+        not count that token (a Mamba model's cache would not know its length, and a saved cache
+        could not be continued). On True it hands the token to `update_conv_state`, which returns the
+        same window and keeps the count exact; rollback needs this path anyway while recording.
+        """
+        layer = self.cache.layers[layer_idx] if layer_idx < len(self.cache.layers) else None
+        return bool(layer is not None and layer.has_recurrent) or self.cache.is_recording_past(layer_idx)
+
+    # ------------------------------------------------------------------------ whole-cache ops
+    def crop(self, tokens_to_remove: int) -> None:
+        self.cache.crop(tokens_to_remove)
+
+    def activate_past_recording(self) -> None:
+        self.cache.activate_past_recording()
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        self.cache.reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.cache.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.cache.batch_select_indices(indices)
+
+    # --------------------------------------------------------------------------------- flags
+    @property
+    def max_rollback(self) -> int:
+        return self.cache.max_rollback
+
+    @property
+    def batch_size(self) -> int:
+        size = self.cache.batch_size
+        return -1 if size is None else size  # transformers' "not initialized yet"
+
+    @property
+    def is_compileable(self) -> bool:
+        return self.cache.is_compileable
+
+    @property
+    def is_initialized(self) -> bool:
+        return bool(self.cache.layers) and self.cache.batch_size is not None
+
+    @property
+    def is_croppable(self) -> bool:
+        return self.cache.is_croppable
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return self.cache.is_sliding
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return self.cache.is_linear
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return [False] * len(self.cache.layers)
+
+
+class TransformersEncoderDecoderCache(HFEncoderDecoderCache):
+    """A kvcache `EncoderDecoderCache` behind transformers' `EncoderDecoderCache` interface.
+
+    Bart/T5 attention reads `self_attention_cache`, `cross_attention_cache` and the per-layer
+    `is_updated` flags; the flags are the kvcache cache's own, so they persist across forward calls.
+    """
+
+    def __init__(self, cache: EncoderDecoderCache) -> None:
+        if not isinstance(cache, EncoderDecoderCache):
+            raise CacheInputError(
+                f"TransformersEncoderDecoderCache wraps a kvcache EncoderDecoderCache, got {type(cache).__name__}"
+            )
+        self.cache = cache
+        self.self_attention_cache = TransformersCache(cache.self_attention_cache)
+        self.cross_attention_cache = TransformersCache(cache.cross_attention_cache)
+        self.layer_class_to_replicate = None
+        self.offloading = False
+
+    @property
+    def is_updated(self) -> dict[int, bool]:  # type: ignore[override]
+        return self.cache.is_updated
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.cache!r})"
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.cache.get_seq_length(layer_idx)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self.cache.crop(tokens_to_remove)
+
+    def activate_past_recording(self) -> None:
+        self.cache.activate_past_recording()
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        self.cache.reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.cache.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.cache.batch_select_indices(indices)
+
+    @property
+    def max_rollback(self) -> int:
+        return self.cache.max_rollback
+
+    @property
+    def is_croppable(self) -> bool:
+        return self.cache.is_croppable
+
+
+def as_transformers_cache(cache: Any) -> HFCache:
+    """The adapter transformers model code accepts as `cache=` / `past_key_values=` for a kvcache cache.
+
+    An adapter (or any transformers cache) is returned as is.
+    """
+    if isinstance(cache, HFCache):
+        return cache
+    if isinstance(cache, EncoderDecoderCache):
+        return TransformersEncoderDecoderCache(cache)
+    if isinstance(cache, Cache):
+        return TransformersCache(cache)
+    raise CacheInputError(f"expected a kvcache cache, got {type(cache).__name__}")
+
+
+def unwrap_cache(cache: Any) -> Any:
+    """The kvcache cache behind an adapter (anything else is returned as is)."""
+    return cache.cache if isinstance(cache, (TransformersCache, TransformersEncoderDecoderCache)) else cache

@@ -1,0 +1,139 @@
+"""transformers models behind kvcache's model protocol (`kvcache.protocol`, SPEC section 8)."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from ..cache import Cache
+from ..errors import CacheInputError
+from ..layers.recurrent import RecurrentLayer
+from .hf_cache import as_transformers_cache
+from .hf_config import cache_from_config
+
+
+def _forward_params(model: PreTrainedModel) -> set[str]:
+    return set(inspect.signature(model.forward).parameters)
+
+
+def _vocab_size(model: PreTrainedModel) -> int:
+    head = model.get_output_embeddings()
+    if head is not None and hasattr(head, "out_features"):
+        return int(head.out_features)  # what the logits' last dimension really is
+    return int(model.config.get_text_config(decoder=True).vocab_size)
+
+
+class TransformersCausalLM:
+    """A transformers causal LM as a `kvcache.protocol.CausalLM`.
+
+    Calls the unmodified model with the kvcache cache behind `as_transformers_cache`, and returns
+    its logits `[batch, new, vocab]`. Models made of recurrent layers only (Mamba, Mamba2) read the
+    attention mask per new token, so they get its last `new` columns.
+    """
+
+    is_encoder_decoder = False
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.config = model.config
+        self.vocab_size = _vocab_size(model)
+        params = _forward_params(model)
+        self._takes_position_ids = "position_ids" in params
+        self._mask_per_new_token = all(isinstance(layer, RecurrentLayer) for layer in self.new_cache().layers)
+
+    def new_cache(self) -> Cache:
+        """A fresh cache of the kind this model's layers need (`cache_from_config(model.config)`)."""
+        return cache_from_config(self.config)  # type: ignore[return-value]
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        cache: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        **model_kwargs: Any,
+    ) -> torch.Tensor:
+        if attention_mask is not None and self._mask_per_new_token:
+            attention_mask = attention_mask[:, -input_ids.shape[1] :]
+        kwargs: dict[str, Any] = {"attention_mask": attention_mask, **model_kwargs}
+        if position_ids is not None and self._takes_position_ids:
+            kwargs["position_ids"] = position_ids
+        if cache is None:
+            kwargs["use_cache"] = False
+        else:
+            kwargs.update(cache=as_transformers_cache(cache), use_cache=True)
+        return self.model(input_ids=input_ids, **kwargs).logits
+
+
+class TransformersEncoderDecoderLM:
+    """A transformers encoder-decoder model (T5, Bart, ...) as a `kvcache.protocol.EncoderDecoderLM`."""
+
+    is_encoder_decoder = True
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.config = model.config
+        self.vocab_size = _vocab_size(model)
+        self.decoder_start_token_id = _decoder_start_token_id(model)
+
+    def new_cache(self) -> Any:
+        """A fresh `EncoderDecoderCache` (`cache_from_config(model.config)`)."""
+        return cache_from_config(self.config)
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Encoder hidden states `[batch, src_len, hidden]`."""
+        return self.model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        cache: Any = None,
+        encoder_hidden_states: torch.Tensor,
+        encoder_attention_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        **model_kwargs: Any,
+    ) -> torch.Tensor:
+        # Decoder positions come from the cache length inside Bart/T5; `position_ids` is not an input there.
+        kwargs: dict[str, Any] = {
+            "encoder_outputs": (encoder_hidden_states,),
+            "attention_mask": encoder_attention_mask,
+            "decoder_attention_mask": attention_mask,
+            **model_kwargs,
+        }
+        if cache is None:
+            kwargs["use_cache"] = False
+        else:
+            kwargs.update(cache=as_transformers_cache(cache), use_cache=True)
+        return self.model(decoder_input_ids=input_ids, **kwargs).logits
+
+
+def _decoder_start_token_id(model: PreTrainedModel) -> int:
+    """transformers' rule: the generation config's decoder start token, else its BOS token, else the config's."""
+    sources = (model.generation_config, model.config)
+    for name in ("decoder_start_token_id", "bos_token_id"):
+        for source in sources:
+            token = getattr(source, name, None)
+            if isinstance(token, int) and not isinstance(token, bool):
+                return token
+    raise CacheInputError(
+        f"{type(model).__name__}: set generation_config.decoder_start_token_id (or bos_token_id) to decode"
+    )
+
+
+def wrap_model(model: PreTrainedModel) -> TransformersCausalLM | TransformersEncoderDecoderLM:
+    """Adapt a transformers causal LM or encoder-decoder model to kvcache's generation protocol.
+
+    The result's `new_cache()` is `cache_from_config(model.config)`; calling it runs the unmodified
+    model with a kvcache cache, so `kvcache.generation.generate` and speculative decoding drive it.
+    """
+    if not isinstance(model, PreTrainedModel):
+        raise CacheInputError(f"wrap_model takes a transformers PreTrainedModel, got {type(model).__name__}")
+    if model.config.is_encoder_decoder:
+        return TransformersEncoderDecoderLM(model)
+    return TransformersCausalLM(model)

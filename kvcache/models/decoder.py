@@ -1,0 +1,123 @@
+"""A decoder-only transformer: rotary positions, grouped-query attention, and a configurable
+pattern of full and sliding-window attention layers (like Gemma / Mistral / gpt-oss)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..cache import Cache, DynamicCache
+from ..errors import CacheInputError
+from .modules import MLP, RMSNorm, SelfAttention, check_inputs, default_position_ids, init_weights
+
+ATTENTION_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass
+class DecoderConfig:
+    """Shape of a `DecoderLM`. `layer_types` has one entry per layer: "full_attention" or
+    "sliding_attention" (the latter sees itself and the `sliding_window - 1` tokens before it)."""
+
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    layer_types: list[str] = field(default_factory=lambda: ["full_attention", "sliding_attention"])
+    sliding_window: int | None = 8
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        unknown = [t for t in self.layer_types if t not in ATTENTION_TYPES]
+        if unknown or not self.layer_types:
+            raise CacheInputError(f"layer_types must be a non-empty list of {ATTENTION_TYPES}, got {self.layer_types}")
+        if "sliding_attention" in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
+            raise CacheInputError(f"sliding layers need a positive sliding_window, got {self.sliding_window!r}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DecoderConfig:
+        return cls(**data)
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm transformer block: attention then MLP, each added to the residual stream."""
+
+    def __init__(self, config: DecoderConfig, layer_idx: int) -> None:
+        super().__init__()
+        sliding = config.layer_types[layer_idx] == "sliding_attention"
+        self.attn_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.attn = SelfAttention(
+            config.hidden_size,
+            config.num_heads,
+            config.num_kv_heads,
+            layer_idx,
+            sliding_window=config.sliding_window if sliding else None,
+            rope_theta=config.rope_theta,
+        )
+        self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, **attn_kwargs: Any) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), position_ids, **attn_kwargs)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class DecoderLM(nn.Module):
+    """Decoder-only language model implementing `kvcache.protocol.CausalLM`.
+
+    `model(input_ids, cache=cache)` appends the new tokens' keys/values to `cache` and returns
+    their logits `[batch, new, vocab]`; without a cache it runs the whole sequence at once.
+    """
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderBlock(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.apply(init_weights)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def new_cache(self) -> Cache:
+        """A fresh `DynamicCache` with one full or sliding-window layer per model layer."""
+        return DynamicCache(layer_types=self.config.layer_types, sliding_window=self.config.sliding_window)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        cache: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        past_length = cache.get_seq_length() if cache is not None else 0
+        check_inputs(input_ids, self.vocab_size, attention_mask, position_ids, past_length)
+        batch, length = input_ids.shape
+        if position_ids is None:
+            position_ids = default_position_ids(batch, length, past_length, attention_mask, input_ids.device)
+        x = self.embed(input_ids)
+        for block in self.layers:
+            x = block(x, position_ids, cache=cache, past_length=past_length, attention_mask=attention_mask)
+        return self.lm_head(self.norm(x))

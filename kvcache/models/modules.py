@@ -1,0 +1,221 @@
+"""Building blocks shared by the reference models: norm, rotary embedding, MLP, attention, masks.
+
+Attention reads its mask geometry from the cache exactly like transformers' model code: before
+appending, `cache.get_mask_sizes(query_length, layer_idx)` says how many keys the update will
+return (`kv_length`) and the absolute position of the first one (`kv_offset`); the causal,
+sliding-window and padding masks are then built for those key positions. A sliding layer that
+returns only its window therefore gets the right columns of the padding mask.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache import Cache
+from ..errors import CacheInputError, KVCacheError
+
+
+def init_weights(module: nn.Module) -> None:
+    """GPT-2 style init (normal, std 0.02): keeps initial logits small, so training starts near
+    the uniform loss `log(vocab)`."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm with a learned scale."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype) * self.weight
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward block."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, hidden, bias=False)
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def rotary_cos_sin(
+    position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin `[batch, 1, seq, head_dim]` for rotary embedding at `position_ids` `[batch, seq]`."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device).float() / head_dim))
+    angles = position_ids.float()[..., None] * inv_freq  # [batch, seq, head_dim/2]
+    angles = torch.cat([angles, angles], dim=-1)[:, None]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` `[batch, heads, seq, head_dim]` by the rotary angles (rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def check_inputs(
+    input_ids: torch.Tensor,
+    vocab_size: int,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    past_length: int,
+) -> None:
+    """Raise `CacheInputError` naming what is wrong with a model call's token/mask/position inputs."""
+    integer = isinstance(input_ids, torch.Tensor) and input_ids.dtype in (torch.long, torch.int)
+    if not integer or input_ids.dim() != 2:
+        raise CacheInputError("input_ids must be an integer tensor [batch, seq]")
+    if input_ids.shape[1] == 0:
+        raise CacheInputError("input_ids has no tokens")
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
+        raise CacheInputError(f"input_ids out of range for vocab_size {vocab_size}")
+    batch, length = input_ids.shape
+    if attention_mask is not None and tuple(attention_mask.shape) != (batch, past_length + length):
+        raise CacheInputError(
+            f"attention_mask must be [batch, past + new] = [{batch}, {past_length + length}], "
+            f"got {list(attention_mask.shape)}"
+        )
+    if position_ids is not None and tuple(position_ids.shape) not in ((batch, length), (1, length)):
+        raise CacheInputError(
+            f"position_ids must be [batch, new] = [{batch}, {length}], got {list(position_ids.shape)}"
+        )
+
+
+def default_position_ids(
+    batch: int, length: int, past_length: int, attention_mask: torch.Tensor | None, device: torch.device
+) -> torch.Tensor:
+    """Positions of the new tokens: from the padding mask when given (pads do not count), else
+    continuing from `past_length`."""
+    if attention_mask is not None:
+        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        return positions[:, -length:]
+    return (past_length + torch.arange(length, device=device)).expand(batch, length)
+
+
+def attention_bias(
+    *,
+    query_length: int,
+    past_length: int,
+    kv_length: int,
+    kv_offset: int,
+    sliding_window: int | None,
+    attention_mask: torch.Tensor | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    causal: bool = True,
+) -> torch.Tensor:
+    """Additive mask `[batch or 1, 1, query_length, kv_length]`: 0 where a query may attend, the
+    dtype's minimum elsewhere.
+
+    Query `i` sits at absolute position `past_length + i`, key `j` at `kv_offset + j`; a key is
+    visible when it is not in the future (for a `causal` mask), within the window for a sliding
+    layer, and not padding (`attention_mask[:, kv_offset + j]`). Keys past the mask's end (a static cache's unwritten
+    slots) are future keys and stay hidden.
+    """
+    q_pos = past_length + torch.arange(query_length, device=device)
+    k_pos = kv_offset + torch.arange(kv_length, device=device)
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    if not causal:
+        allowed = torch.ones_like(allowed)
+    if sliding_window is not None:
+        allowed &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
+    allowed = allowed[None, None]
+    if attention_mask is not None:
+        columns = k_pos.clamp(max=attention_mask.shape[1] - 1)
+        allowed = allowed & attention_mask.bool()[:, columns][:, None, None, :]
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return bias.masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Softmax attention `[batch, heads, q, head_dim]`; `k`/`v` may have fewer (grouped) heads."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1]) + bias
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+
+class SelfAttention(nn.Module):
+    """Self-attention with rotary positions, grouped-query heads and an optional sliding window,
+    reading and growing `cache` layer `layer_idx`. `causal=False` (an encoder) takes no cache."""
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        layer_idx: int,
+        *,
+        sliding_window: int | None = None,
+        rope_theta: float = 10000.0,
+        causal: bool = True,
+    ) -> None:
+        super().__init__()
+        self.causal = causal
+        if dim % num_heads or num_heads % num_kv_heads:
+            raise CacheInputError(f"dim {dim}, heads {num_heads}, kv heads {num_kv_heads} do not divide evenly")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, dim // num_heads
+        self.layer_idx, self.sliding_window, self.rope_theta = layer_idx, sliding_window, rope_theta
+        self.q_proj = nn.Linear(dim, num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(dim, num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(dim, num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * self.head_dim, dim, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor,
+        *,
+        cache: Cache | None,
+        past_length: int,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        batch, length, _ = x.shape
+        q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = rotary_cos_sin(position_ids, self.head_dim, self.rope_theta, x.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is None:
+            kv_length, kv_offset = length, 0
+        elif not self.causal:
+            raise CacheInputError("a non-causal (encoder) attention layer takes no cache")
+        else:
+            kv_length, kv_offset = cache.get_mask_sizes(length, self.layer_idx)
+            k, v = cache.update(k, v, self.layer_idx)
+            if k.shape[2] != kv_length:
+                raise KVCacheError(
+                    f"layer {self.layer_idx}: cache returned {k.shape[2]} keys, get_mask_sizes said {kv_length}"
+                )
+        bias = attention_bias(
+            query_length=length,
+            past_length=past_length,
+            kv_length=kv_length,
+            kv_offset=kv_offset,
+            sliding_window=self.sliding_window,
+            attention_mask=attention_mask,
+            dtype=x.dtype,
+            device=x.device,
+            causal=self.causal,
+        )
+        out = attend(q, k, v, bias)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))

@@ -1,0 +1,146 @@
+"""Streaming safetensors writer and atomic file replacement.
+
+The writer emits the safetensors layout (8-byte little-endian header length, JSON header, raw
+little-endian bytes) straight from the live tensors: a tensor whose trailing dimensions are
+contiguous (a cache's live window inside larger storage) is written as its contiguous rows, so
+saving neither packs a copy of the cache nor needs all tensors at once. Files are read back with
+safetensors' own reader.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import math
+import os
+import struct
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
+from ..errors import CacheInputError
+
+#: torch dtype -> safetensors dtype name (the ones both sides know).
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.complex64: "C64",
+}
+for _attr, _name in (
+    ("float8_e4m3fn", "F8_E4M3"),
+    ("float8_e5m2", "F8_E5M2"),
+    ("uint16", "U16"),
+    ("uint32", "U32"),
+    ("uint64", "U64"),
+):
+    if hasattr(torch, _attr):
+        DTYPE_NAMES[getattr(torch, _attr)] = _name
+
+#: A tensor is written row by row when that takes at most this many rows; otherwise packed first.
+MAX_ROWS_PER_TENSOR = 4096
+
+
+def dtype_name(dtype: torch.dtype, what: str) -> str:
+    """The safetensors name of `dtype`; `CacheInputError` for a dtype the format cannot hold."""
+    name = DTYPE_NAMES.get(dtype)
+    if name is None:
+        raise CacheInputError(f"{what}: dtype {dtype} cannot be saved (supported: {sorted(DTYPE_NAMES.values())})")
+    return name
+
+
+def _rows(tensor: torch.Tensor) -> Iterator[memoryview]:
+    """The bytes of `tensor` in row-major order, as views of its own storage where possible."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()  # one tensor at a time, never the whole cache
+    if tensor.numel() == 0:
+        return
+    lead = 0  # the fewest leading dims to iterate over so that each row is contiguous
+    while not tensor[(0,) * lead].is_contiguous():
+        lead += 1
+    if math.prod(tensor.shape[:lead]) > MAX_ROWS_PER_TENSOR:
+        tensor, lead = tensor.contiguous(), 0
+    for index in itertools.product(*(range(n) for n in tensor.shape[:lead])):
+        yield memoryview(tensor[index].reshape(-1).view(torch.uint8).numpy())
+
+
+def write_safetensors(file: BinaryIO, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write `tensors` (in order) and string `metadata` to `file` in safetensors format."""
+    if sys.byteorder != "little":
+        raise CacheInputError("saving caches is only supported on little-endian machines")
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": dtype_name(tensor.dtype, name),
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    file.write(struct.pack("<Q", len(encoded)))
+    file.write(encoded)
+    for tensor in tensors.values():
+        for row in _rows(tensor):
+            file.write(row)
+
+
+def _umask() -> int:
+    with contextlib.suppress(OSError, ValueError, StopIteration):  # Linux: read it without changing it
+        status = Path("/proc/self/status").read_text()
+        return int(next(line for line in status.splitlines() if line.startswith("Umask:")).split()[1], 8)
+    umask = os.umask(0o022)  # elsewhere: set and restore (not atomic against other threads)
+    os.umask(umask)
+    return umask
+
+
+def _new_file_mode(path: Path) -> int:
+    """Permissions for the file: those of the file it replaces, else the default under the umask."""
+    with contextlib.suppress(OSError):
+        return path.stat().st_mode & 0o7777
+    return 0o666 & ~_umask()
+
+
+def atomic_write(path: Path, write: Callable[[BinaryIO], None], *, fsync: bool = True) -> None:
+    """Create `path` through `write(file)` so that it either appears complete or not at all.
+
+    The data goes to a temporary file in the same directory, is flushed (to disk with `fsync`,
+    so that a power loss cannot leave a renamed but empty file), then renamed over `path`. On any
+    failure the temporary file is removed and `path` is left as it was.
+    """
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name[:100]}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            write(file)
+            file.flush()
+            if fsync:
+                os.fsync(file.fileno())
+        os.chmod(tmp_name, _new_file_mode(path))
+        os.replace(tmp_name, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp_name)
+        raise
+    if not fsync:
+        return
+    with contextlib.suppress(OSError):  # make the rename itself durable (not possible everywhere)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)

@@ -1,0 +1,154 @@
+"""`kvcache generate`: through a subprocess with the bundled model (text on stdout only, resuming
+from a saved prompt cache prints exactly what an uninterrupted run prints, one-line errors), and
+in-process with a small random model standing in for the bundled one."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from kvcache.cli import main
+from kvcache.generation import generate
+from kvcache.models import DecoderConfig, DecoderLM, default
+
+PROMPT = "The cache holds every token but the last one, so"
+LONGER = PROMPT + " a later call feeds only what is new"
+
+
+def kvcache(*args: str, runner: tuple[str, ...] = (sys.executable, "-m", "kvcache")) -> subprocess.CompletedProcess:
+    return subprocess.run([*runner, "generate", *args], capture_output=True, text=True, timeout=300)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *words: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvcache generate: error:"), result.stderr
+    assert "Traceback" not in result.stderr
+    for word in words:
+        assert word in lines[0]
+
+
+# ------------------------------------------------------------- subprocess, no model needed
+def test_bad_files_and_arguments_are_one_line_errors(tmp_path: Path) -> None:
+    assert_one_line_error(kvcache(PROMPT, "--cache", str(tmp_path / "missing.kvcache")), "missing.kvcache")
+    corrupt = tmp_path / "corrupt.kvcache"
+    corrupt.write_bytes(b"\x40\x00\x00\x00\x00\x00\x00\x00{not json" + bytes(100))
+    assert_one_line_error(kvcache(PROMPT, "--cache", str(corrupt)), "corrupt.kvcache")
+    assert_one_line_error(kvcache(PROMPT, "--max-new-tokens", "-1"), "max-new-tokens")
+    assert_one_line_error(kvcache("", "--max-new-tokens", "3"), "empty")
+    assert_one_line_error(kvcache(PROMPT, "--defer-stop", "maybe"), "defer-stop")
+
+
+# ------------------------------------------------------------------ subprocess, bundled model
+bundled = pytest.mark.skipif(
+    not (default.WEIGHTS_DIR / "default.safetensors").exists(), reason="bundled default weights not built yet"
+)
+
+
+@bundled
+def test_generate_streams_the_same_text_as_the_library_and_entry_points_agree(tmp_path: Path) -> None:
+    result = kvcache(PROMPT, "--max-new-tokens", "30", "--temperature", "0")
+    assert result.returncode == 0, result.stderr
+    model, tokenizer = default.load_default_model()
+    ids = torch.tensor([tokenizer.encode(PROMPT)])
+    out = generate(model, ids, max_new_tokens=30)
+    assert result.stdout == tokenizer.decode(out.sequences[0, ids.shape[1] :].tolist()) + "\n"
+    assert "tokens/s" in result.stderr and "prompt:" in result.stderr
+    script = shutil.which("kvcache")
+    if script is not None:
+        assert kvcache(PROMPT, "--max-new-tokens", "30", "--temperature", "0", runner=(script,)).stdout == result.stdout
+
+
+@bundled
+def test_save_then_resume_prints_exactly_the_uninterrupted_text(tmp_path: Path) -> None:
+    saved = tmp_path / "prompt.kvcache"
+    built = kvcache(PROMPT, "--max-new-tokens", "0", "--save-cache", str(saved))
+    assert built.returncode == 0 and built.stdout == "" and saved.exists(), built.stderr
+    texts = {}
+    for prompt in (PROMPT, LONGER):
+        uninterrupted = kvcache(prompt, "--max-new-tokens", "40", "--seed", "7")
+        resumed = kvcache(prompt, "--max-new-tokens", "40", "--seed", "7", "--cache", str(saved))
+        assert uninterrupted.returncode == resumed.returncode == 0, resumed.stderr
+        assert len(uninterrupted.stdout) > 10
+        assert resumed.stdout == uninterrupted.stdout
+        assert "32 reused" in resumed.stderr and "0 reused" in uninterrupted.stderr
+        texts[prompt] = uninterrupted.stdout
+    deferred = kvcache(PROMPT, "--max-new-tokens", "40", "--seed", "7", "--defer-stop", "on", "--cache", str(saved))
+    assert deferred.stdout == texts[PROMPT]
+
+
+@bundled
+def test_a_prompt_not_extending_the_saved_one_is_a_one_line_error(tmp_path: Path) -> None:
+    saved = tmp_path / "prompt.kvcache"
+    assert kvcache(PROMPT, "--max-new-tokens", "0", "--save-cache", str(saved)).returncode == 0
+    assert_one_line_error(kvcache("Another prompt", "--cache", str(saved)), "does not start with")
+    truncated = tmp_path / "truncated.kvcache"
+    truncated.write_bytes(saved.read_bytes()[:-100])
+    assert_one_line_error(kvcache(PROMPT, "--cache", str(truncated)), "truncated.kvcache")
+
+
+# --------------------------------------------------------- in process, a stand-in default model
+ALPHABET = "\n !',.:;?abcdefghijklmnopqrstuvwxyzT"
+
+
+@pytest.fixture
+def stand_in_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[DecoderLM, object]]:
+    """A random character model written as the bundled weights, in a temporary directory."""
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    layer_types = ["full_attention", "sliding_attention"]
+    config = DecoderConfig(vocab_size=len(ALPHABET), layer_types=layer_types, sliding_window=12)
+    torch.manual_seed(0)
+    model = DecoderLM(config)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(weights / "default.safetensors"))
+    (weights / "default.json").write_text(json.dumps({"config": config.to_dict(), "alphabet": ALPHABET}))
+    monkeypatch.setattr(default, "WEIGHTS_DIR", weights)
+    threads = torch.get_num_threads()  # the command sets it for its process: restore ours
+    yield default.load_default_model(weights_dir=weights)
+    torch.set_num_threads(threads)
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(["generate", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_resume_is_exact_with_a_stand_in_model(stand_in_model, capsys, tmp_path: Path) -> None:
+    model, tokenizer = stand_in_model
+    saved = tmp_path / "p.kvcache"
+    assert _cli(capsys, PROMPT, "--max-new-tokens", "0", "--save-cache", str(saved))[:2] == (0, "")
+    for prompt in (PROMPT, LONGER):
+        code, whole, _ = _cli(capsys, prompt, "--max-new-tokens", "25", "--seed", "3", "--top-k", "9")
+        args = (prompt, "--max-new-tokens", "25", "--seed", "3", "--top-k", "9")
+        code2, resumed, err = _cli(capsys, *args, "--cache", str(saved))
+        assert code == code2 == 0 and resumed == whole and len(whole) == 26
+        assert "32 reused" in err
+    code, greedy, _ = _cli(capsys, PROMPT, "--max-new-tokens", "12", "--temperature", "0", "--defer-stop", "on")
+    ids = torch.tensor([tokenizer.encode(PROMPT)])
+    expected = generate(model, ids, max_new_tokens=12).sequences[0, ids.shape[1] :].tolist()
+    assert code == 0 and greedy == tokenizer.decode(expected) + "\n"
+    code, _, err = _cli(capsys, "Elsewhere", "--cache", str(saved))
+    assert code == 2 and "does not start with" in err and err.count("\n") == 1
+
+
+def test_a_cache_saved_with_other_weights_is_refused(stand_in_model, capsys, tmp_path: Path) -> None:
+    saved = tmp_path / "p.kvcache"
+    assert _cli(capsys, PROMPT, "--max-new-tokens", "0", "--save-cache", str(saved))[0] == 0
+    weights = default.WEIGHTS_DIR / "default.safetensors"
+    torch.manual_seed(1)
+    config = json.loads((default.WEIGHTS_DIR / "default.json").read_text())["config"]
+    other = DecoderLM(DecoderConfig.from_dict(config))
+    save_file({k: v.contiguous() for k, v in other.state_dict().items() if k != "lm_head.weight"}, str(weights))
+    code, out, err = _cli(capsys, PROMPT, "--cache", str(saved))
+    assert code == 2 and out == "" and "not a prompt cache of this model" in err

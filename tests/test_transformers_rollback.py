@@ -1,0 +1,221 @@
+"""What transformers' own caches cannot do, inside unmodified transformers models: exact rollback of
+sliding and recurrent layers, the driver's deferred stop check, and saved caches that continue.
+
+References are independent runs: a run that never took the rolled-back steps, the driver's
+immediate stop check, transformers' own generate() with its own cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", minversion="5.24")
+
+from test_transformers_models import (
+    DECODE_STEPS,
+    STATEFUL,
+    Stepper,
+    hf_cache,
+    hf_generate,
+    our_generate,
+    prompt,
+    tiny_model,
+)
+
+from kvcache import RollbackError
+from kvcache.encoder_decoder import EncoderDecoderCache
+from kvcache.integrations.transformers import cache_from_config
+from kvcache.persistence import load_cache, save_cache
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Any:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def contents(cache: Any) -> dict[str, Any]:
+    """Every tensor and every bookkeeping value of a kvcache cache, for bitwise comparison."""
+    parts = (
+        {"self": cache.self_attention_cache, "cross": cache.cross_attention_cache}
+        if isinstance(cache, EncoderDecoderCache)
+        else {"": cache}
+    )
+    out: dict[str, Any] = {}
+    for name, part in parts.items():
+        for i, layer in enumerate(part.layers):
+            out[f"{name}{i}.meta"] = layer.meta_state
+            out.update({f"{name}{i}.{k}": v.clone() for k, v in layer.state.items()})
+    return out
+
+
+def assert_same_contents(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], torch.Tensor):
+            assert a[key].shape == b[key].shape and torch.equal(a[key], b[key]), key
+        else:
+            assert a[key] == b[key], key
+
+
+def detour_tokens() -> torch.Tensor:
+    return torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(7))
+
+
+def continuation() -> torch.Tensor:
+    return torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(8))
+
+
+# ----------------------------------------------------------------------------- rollback
+@pytest.mark.parametrize("kind", STATEFUL)
+def test_crop_undoes_decode_steps_exactly(kind: str) -> None:
+    """Prefill, record, decode 2 single steps and a 3-token verify step, crop(-5), continue: the logits
+    and the cache equal those of a run that never took the 5 steps, bit for bit."""
+    model, source = tiny_model(kind), prompt()
+    detour, cont = detour_tokens(), continuation()
+
+    ours = Stepper(model, cache_from_config(model.config), source)
+    ours(source)
+    ours.cache.activate_past_recording()
+    ours(detour[:, :1])
+    ours(detour[:, 1:2])
+    ours(detour[:, 2:5])  # several tokens in one forward, as when verifying draft tokens
+    assert ours.cache.is_croppable and ours.cache.max_rollback == 5
+    ours.cache.crop(-5)
+
+    never = Stepper(model, cache_from_config(model.config), source)  # the run without the detour
+    never(source)
+    never.cache.activate_past_recording()
+    theirs = Stepper(model, hf_cache(model), source)  # and transformers' own cache, same tokens
+    theirs(source)
+    for i in range(cont.shape[1]):
+        got = ours(cont[:, i : i + 1])
+        assert torch.equal(got, never(cont[:, i : i + 1])), f"continuation step {i}"
+        torch.testing.assert_close(got, theirs(cont[:, i : i + 1]), atol=1e-5, rtol=0)
+    ours.cache.crop(0)  # commit both: drop the rollback history, shrink to the working size
+    never.cache.crop(0)
+    assert_same_contents(contents(ours.cache), contents(never.cache))
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "mamba2"])
+def test_recurrent_crop_inside_a_step_is_refused_and_changes_nothing(kind: str) -> None:
+    """transformers models hand over no per-token states, so a 3-token step is undone whole or not at all;
+    transformers' own cache cannot undo even that (it reports itself not croppable)."""
+    model, source, detour = tiny_model(kind), prompt(), detour_tokens()
+    ours = Stepper(model, cache_from_config(model.config), source)
+    ours(source)
+    ours.cache.activate_past_recording()
+    ours(detour[:, :3])
+    before = contents(ours.cache)
+    with pytest.raises(RollbackError):
+        ours.cache.crop(-1)
+    assert_same_contents(contents(ours.cache), before)
+    ours.cache.crop(-3)
+    assert ours.cache.max_rollback == 0
+
+    theirs = Stepper(model, hf_cache(model), source)
+    theirs(source)
+    theirs.cache.activate_past_recording()
+    theirs(detour[:, :3])
+    assert not theirs.cache.is_croppable
+
+
+# ------------------------------------------------------------------------ deferred stop
+@pytest.mark.parametrize("kind", [*STATEFUL, "bart"])
+def test_deferred_stop_gives_the_immediate_result(kind: str) -> None:
+    """The deferred stop check notices the EOS one step late and rolls that step back: the same
+    sequence and the same cache as the immediate check, and transformers' generate with that EOS."""
+    model, source = tiny_model(kind), prompt()[:1]
+    free = our_generate(model, source, max_new_tokens=DECODE_STEPS).sequences[0, -DECODE_STEPS:].tolist()
+    eos = free[5]  # the run stops where this token first appears (step 5 or earlier)
+
+    runs = {
+        defer: our_generate(model, source, max_new_tokens=DECODE_STEPS, eos_token_id=eos, defer_stop=defer)
+        for defer in (False, True)
+    }
+    assert torch.equal(runs[True].sequences, runs[False].sequences)
+    assert_same_contents(contents(runs[True].cache), contents(runs[False].cache))
+    assert runs[True].sequences[0, -1] == eos and runs[True].sequences.shape[1] < source.shape[1] + DECODE_STEPS
+
+    cache = hf_cache(model) if model.config.is_encoder_decoder else None
+    expected = model.generate(source, max_new_tokens=DECODE_STEPS, do_sample=False, eos_token_id=eos, cache=cache)
+    assert torch.equal(runs[False].sequences, expected)  # decoder tokens for an encoder-decoder, as transformers'
+
+
+# -------------------------------------------------------------------------- persistence
+@pytest.mark.parametrize("kind", [*STATEFUL, "bart"])
+def test_saved_cache_continues_generation_identically(kind: str, tmp_path: Any) -> None:
+    """Generate 10 tokens, save the cache, load it, generate 10 more: the tokens and logits of one
+    uninterrupted 20-token run, and transformers' 20-token generate."""
+    model, source = tiny_model(kind), prompt()
+    whole = our_generate(model, source, max_new_tokens=DECODE_STEPS, output_scores=True)
+    first = our_generate(model, source, max_new_tokens=10)
+    path = tmp_path / f"{kind}.safetensors"
+    save_cache(first.cache, path, metadata={"model": kind})
+    loaded = load_cache(path)
+    assert_same_contents(contents(loaded), contents(first.cache))
+    if model.config.is_encoder_decoder:  # the source again, and the decoder tokens so far
+        rest = our_generate(model, source, decoder_input_ids=first.sequences, cache=loaded, max_new_tokens=10,
+                            output_scores=True)  # fmt: skip
+    else:  # the whole sequence so far: the tokens the cache holds are skipped
+        rest = our_generate(model, first.sequences, cache=loaded, max_new_tokens=10, output_scores=True)
+    assert torch.equal(rest.sequences, whole.sequences) and torch.equal(rest.sequences, hf_generate(kind))
+    for step, (got, expected) in enumerate(zip(rest.scores, whole.scores[10:], strict=True)):
+        assert torch.equal(got, expected), f"step {10 + step}"
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "mamba2"])
+def test_saved_recording_cache_still_rolls_back(kind: str, tmp_path: Any) -> None:
+    """Rollback history travels in the file: crop(-2) on the loaded cache lands where the original would."""
+    model, source, detour, cont = tiny_model(kind), prompt(), detour_tokens(), continuation()
+    ours = Stepper(model, cache_from_config(model.config), source)
+    ours(source)
+    ours.cache.activate_past_recording()
+    ours(detour[:, :1])
+    ours(detour[:, 1:2])
+    path = tmp_path / "recording.safetensors"
+    save_cache(ours.cache, path)
+    loaded = Stepper(model, load_cache(path), source)
+    loaded.cache.crop(-2)
+    never = Stepper(model, cache_from_config(model.config), source)
+    never(source)
+    for i in range(3):
+        assert torch.equal(loaded(cont[:, i : i + 1]), never(cont[:, i : i + 1])), f"step {i}"
+
+
+# ------------------------------------------------------------------------ speculative decoding
+def test_speculative_decoding_with_stateful_transformers_models() -> None:
+    """A Qwen3-Next target drafted by a Mamba2 model: rejected draft tokens are rolled back in both
+    recurrent caches, and the output is the target's own greedy output (transformers refuses assisted
+    generation for such models)."""
+    from kvcache.generation.speculative import speculative_generate
+    from kvcache.integrations.transformers import wrap_model
+
+    target, draft = tiny_model("qwen3_next"), tiny_model("mamba2")
+    source = prompt()[:1]
+    out = speculative_generate(wrap_model(target), wrap_model(draft), source, num_draft_tokens=3, max_new_tokens=12)
+    expected = target.generate(source, max_new_tokens=12, do_sample=False)
+    assert torch.equal(out.sequences, expected)
+    assert sum(out.proposed_per_step) > sum(out.accepted_per_step)  # some drafts were rejected and undone
+    assert out.cache.get_seq_length() == expected.shape[1] - 1
+
+
+def test_conv_only_layers_roll_back_to_any_token() -> None:
+    """LFM2's short-conv layers hold a conv window and no recurrent state, so a crop may land inside
+    a multi-token forward: feed 3 tokens, crop(-1), continue = a run that fed the first 2."""
+    model, source, detour, cont = tiny_model("lfm2"), prompt(), detour_tokens(), continuation()
+    ours = Stepper(model, cache_from_config(model.config), source)
+    ours(source)
+    ours.cache.activate_past_recording()
+    ours(detour[:, :3])
+    ours.cache.crop(-1)
+    never = Stepper(model, cache_from_config(model.config), source)
+    never(source)
+    never(detour[:, :2])
+    for i in range(3):
+        assert torch.equal(ours(cont[:, i : i + 1]), never(cont[:, i : i + 1])), f"step {i}"
