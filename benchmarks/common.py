@@ -3,16 +3,18 @@
 A scenario measures, then returns a `Section`: its tables (rendered to Markdown on stdout), its raw
 figures (written as JSON), the targets it checks (collected into the closing summary) and its plots
 (PNG, only when matplotlib is installed). Every timing is a `Timing`: all the samples of one
-quantity, summarised by the median and the min-max spread. Contenders are sampled in rotating
+quantity, summarised by the median and the interquartile spread. Contenders are sampled in rotating
 order within each round (`rotate`), so a change in machine load hits all of them alike and the
 ratios taken from one run hold on a noisy machine.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import statistics
+import textwrap
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -29,7 +31,7 @@ MODES = ("smoke", "quick", "full")
 # ------------------------------------------------------------------------------------ timing
 @dataclass(frozen=True)
 class Timing:
-    """Samples (seconds, or any per-unit figure) of one quantity: median and min-max spread."""
+    """Samples (seconds, or any per-unit figure) of one quantity: median, interquartile spread, min, max."""
 
     samples: tuple[float, ...]
 
@@ -52,9 +54,19 @@ class Timing:
         return max(self.samples)
 
     @property
+    def quartiles(self) -> tuple[float, float]:
+        """First and third quartiles (inclusive method: within the samples' range)."""
+        if len(self.samples) < 2:
+            return self.samples[0], self.samples[0]
+        q1, _, q3 = statistics.quantiles(self.samples, n=4, method="inclusive")
+        return q1, q3
+
+    @property
     def spread(self) -> float:
-        """Half the min-max range relative to the median (0.05 means +-5%)."""
-        return (self.high - self.low) / (2 * self.median) if self.median else 0.0
+        """Half the interquartile range relative to the median (0.05 means +-5%): robust to the odd
+        outlier a shared machine produces, which min/max (kept in the JSON) are not."""
+        q1, q3 = self.quartiles
+        return (q3 - q1) / (2 * self.median) if self.median else 0.0
 
     def scaled(self, factor: float) -> Timing:
         """Every sample times `factor` (per-token figures, unit changes)."""
@@ -65,7 +77,15 @@ class Timing:
         return f"{self.median * scale:,.{digits}f} ±{self.spread:.0%}"
 
     def to_json(self) -> dict[str, Any]:
-        return {"median": self.median, "min": self.low, "max": self.high, "samples": list(self.samples)}
+        q1, q3 = self.quartiles
+        return {
+            "median": self.median,
+            "q1": q1,
+            "q3": q3,
+            "min": self.low,
+            "max": self.high,
+            "samples": list(self.samples),
+        }
 
 
 def ratio(numerator: Timing, denominator: Timing) -> float:
@@ -74,10 +94,17 @@ def ratio(numerator: Timing, denominator: Timing) -> float:
 
 
 def seconds(fn: Callable[[], Any]) -> float:
-    """Seconds one call of `fn` takes (its result is dropped after the clock stops)."""
-    start = time.perf_counter()
-    result = fn()
-    elapsed = time.perf_counter() - start
+    """Seconds one call of `fn` takes, with the garbage collector paused as `timeit` does (its result
+    is dropped after the clock stops)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        result = fn()
+        elapsed = time.perf_counter() - start
+    finally:
+        if was_enabled:
+            gc.enable()
     del result
     return elapsed
 
@@ -148,7 +175,7 @@ class Target:
 @dataclass
 class Plot:
     """A line plot: one series per name over shared x values (None where not measured); optional
-    `errors` give each series' (low, high) per point."""
+    `errors` give each series' (low, high) per point. transformers' series are drawn dashed."""
 
     name: str
     title: str
@@ -159,6 +186,8 @@ class Plot:
     errors: dict[str, list[tuple[float, float] | None]] = field(default_factory=dict)
     logx: bool = False
     logy: bool = False
+    #: Draw grouped bars, one group per x value labelled by `x_labels`, instead of lines.
+    x_labels: list[str] | None = None
 
 
 @dataclass
@@ -194,7 +223,10 @@ class Section:
 
 
 def targets_table(sections: Sequence[Section]) -> Table:
-    table = Table("Targets", ["scenario", "claim", "target", "measured", "met", "note"])
+    table = Table(
+        "What the tables must show, and whether this run shows it",
+        ["scenario", "claim", "target", "measured", "met", "note"],
+    )
     for section in sections:
         for t in section.targets:
             table.add(section.name, t.claim, t.target, t.measured, "yes" if t.met else "**no**", t.note)
@@ -232,24 +264,29 @@ def write_plots(out: Path, sections: Sequence[Section]) -> list[Path]:
     written = []
     for section in sections:
         for plot in section.plots:
-            fig, ax = plt.subplots(figsize=(7, 4.2))
-            for name, ys in plot.series.items():
-                points = [(x, y, e) for x, y, e in zip(plot.x, ys, plot.errors.get(name, [None] * len(ys))) if y]
+            fig, ax = plt.subplots(figsize=(10, 4.5))
+            if plot.x_labels is not None:
+                _bars(ax, plot)
+            for name, ys in ({} if plot.x_labels is not None else plot.series).items():
+                errs = plot.errors.get(name) or [None] * len(ys)
+                points = [(x, y, e) for x, y, e in zip(plot.x, ys, errs, strict=True) if y is not None]
                 if not points:
                     continue
-                xs, vals, errs = zip(*points)
-                if all(e is not None for e in errs):
-                    yerr = [[v - e[0] for v, e in zip(vals, errs)], [e[1] - v for v, e in zip(vals, errs)]]
-                    ax.errorbar(xs, vals, yerr=yerr, marker="o", capsize=3, label=name)
+                xs, vals = [p[0] for p in points], [p[1] for p in points]
+                style = {"marker": "o", "label": name, "linestyle": "--" if name.startswith("transformers") else "-"}
+                if all(p[2] is not None for p in points):
+                    below = [p[1] - p[2][0] for p in points]
+                    above = [p[2][1] - p[1] for p in points]
+                    ax.errorbar(xs, vals, yerr=[below, above], capsize=3, **style)
                 else:
-                    ax.plot(xs, vals, marker="o", label=name)
+                    ax.plot(xs, vals, **style)
             ax.set(title=plot.title, xlabel=plot.xlabel, ylabel=plot.ylabel)
             if plot.logx:
                 ax.set_xscale("log", base=2)
             if plot.logy:
                 ax.set_yscale("log")
             ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
             fig.tight_layout()
             path = out / f"{section.name}_{plot.name}.png"
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -259,8 +296,19 @@ def write_plots(out: Path, sections: Sequence[Section]) -> list[Path]:
     return written
 
 
+def _bars(ax: Any, plot: Plot) -> None:
+    """Grouped bars: one group per x label, one bar per series (missing values left out)."""
+    width = 0.8 / max(len(plot.series), 1)
+    for i, (name, ys) in enumerate(plot.series.items()):
+        positions = [j + (i - (len(plot.series) - 1) / 2) * width for j in range(len(ys))]
+        kept = [(p, y) for p, y in zip(positions, ys, strict=True) if y is not None]
+        ax.bar([p for p, _ in kept], [y for _, y in kept], width, label=name)
+    labels = ["\n".join(textwrap.wrap(label, 24)) for label in plot.x_labels or []]
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+
+
 def series_of(timings: Sequence[Timing | None], scale: float = 1.0) -> tuple[list[float | None], list[Any]]:
-    """Plot values (medians) and error bars (min, max) of a row of Timings, scaled."""
+    """Plot values (medians) and error bars (first, third quartile) of a row of Timings, scaled."""
     values = [None if t is None else t.median * scale for t in timings]
-    errors = [None if t is None else (t.low * scale, t.high * scale) for t in timings]
+    errors = [None if t is None else (t.quartiles[0] * scale, t.quartiles[1] * scale) for t in timings]
     return values, errors

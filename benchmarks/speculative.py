@@ -124,7 +124,13 @@ def compare(title: str, target: Any, contenders: dict[str, Callable[[], Any]], n
 
 
 def contenders_for(
-    target: Counted, draft: Any, prompt: torch.Tensor, ks: list[int], new_tokens: int, bad_draft: Any = None
+    target: Counted,
+    draft: Any,
+    prompt: torch.Tensor,
+    ks: list[int],
+    new_tokens: int,
+    bad_draft: Any = None,
+    draft_label: str = "draft = first layer",
 ) -> dict[str, Callable[[], Any]]:
     """Plain `generate`, then per k: the model draft (and its re-feed variant for a hybrid) and
     prompt lookup; with `bad_draft` (an unrelated model that is almost never right), the cost of
@@ -134,11 +140,11 @@ def contenders_for(
         "plain `generate`": lambda: generate(target, prompt, max_new_tokens=new_tokens).sequences
     }
     for k in ks:
-        contenders[f"draft = first layer, k={k}"] = lambda k=k: speculative_generate(
+        contenders[f"{draft_label}, k={k}"] = lambda k=k: speculative_generate(
             target, draft, prompt, num_draft_tokens=k, max_new_tokens=new_tokens
         )
         if hybrid:
-            contenders[f"draft = first layer, k={k}, re-feed"] = lambda k=k: speculative_generate(
+            contenders[f"{draft_label}, k={k}, re-feed"] = lambda k=k: speculative_generate(
                 target, draft, prompt, num_draft_tokens=k, max_new_tokens=new_tokens, intermediate_states=False
             )
         contenders[f"prompt lookup, k={k}"] = lambda k=k: speculative_generate(
@@ -182,21 +188,25 @@ def speed(new_tokens: int, repeats: int, ks: list[int]) -> None:
 
 
 def default_model_speed(new_tokens: int, repeats: int, ks: list[int]) -> None:
-    """The bundled trained character model, when its weights are there: real text, where the
-    n-gram drafter earns its keep on a repetitive prompt."""
+    """The bundled trained character model (4 layers), when its weights are there, drafted by its
+    own first 2 layers and by prompt lookup, on help text and on a repetitive code prompt."""
     try:
+        from pydoc_data.topics import topics
+
         from kvcache.models import load_default_model
 
         model, tokenizer = load_default_model()
     except Exception as err:  # weights missing in a bare checkout: say so, measure the rest
         print(f"(bundled default model skipped: {err})\n")
         return
-    target, draft = Counted(model), first_layers(model, 1)
-    text = "def area(self):\n    return self.width * self.height\n\n" * 3 + "def perimeter(self):\n    return "
-    prompt = torch.tensor([tokenizer.encode(text)])
-    contenders = contenders_for(target, draft, prompt, ks, new_tokens)
-    title = f"bundled default model, repetitive code prompt, {new_tokens} new tokens"
-    compare(title, target, contenders, new_tokens, repeats)
+    corpus = "\n".join(topics[key] for key in sorted(topics))  # the training text
+    prompts = {"help text": corpus[1000:1300], "repetitive code": "for i in range(10):\n    print(i)\n" * 4}
+    target, draft = Counted(model), first_layers(model, 2)
+    for name, text in prompts.items():
+        prompt = torch.tensor([tokenizer.encode(text)])
+        contenders = contenders_for(target, draft, prompt, ks, new_tokens, draft_label="draft = first 2 layers")
+        title = f"bundled default model (trained, 4 layers), {name} prompt, {new_tokens} new tokens"
+        compare(title, target, contenders, new_tokens, repeats)
 
 
 def cache_bytes(cache: Any) -> int:

@@ -10,7 +10,7 @@ from typing_extensions import Self
 
 from .errors import CacheInputError, KVCacheError
 from .layer_types import build_layer
-from .layers.base import CacheLayer
+from .layers.base import CacheLayer, check_repeats, index_layers_batch
 from .layers.static import StaticLayer
 
 
@@ -32,6 +32,7 @@ class Cache:
             raise CacheInputError("Cache(layers=...) takes CacheLayer instances")
         self.layers: list[CacheLayer] = list(layers) if layers is not None else []
         self.layer_factory = layer_factory
+        self._record_new_layers = False  # set by activate_past_recording: lazily created layers record too
 
     # ------------------------------------------------------------------------------ indexing
     def __len__(self) -> int:
@@ -52,7 +53,7 @@ class Cache:
         if create and self.layer_factory is not None:
             while len(self.layers) <= layer_idx:
                 layer = self.layer_factory()
-                if getattr(self, "_record_new_layers", False):  # recording was asked for before it existed
+                if self._record_new_layers:
                     layer.activate_past_recording()
                 self.layers.append(layer)
         if layer_idx >= len(self.layers):
@@ -207,23 +208,17 @@ class Cache:
             raise KVCacheError(f"layers disagree on batch size: {sorted(sizes)}")  # type: ignore[type-var]
         return next(iter(sizes), None)
 
-    def _index_batch(self, index: Any, name: str) -> None:
-        checked = [layer.check_batch_index(index, name) for layer in self.layers]
-        for layer, idx in zip(self.layers, checked, strict=True):
-            layer._index_batch(idx)
-
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
         """Reorder the batch of every layer for beam search."""
-        self._index_batch(beam_idx, "beam_idx")
+        index_layers_batch(self.layers, beam_idx, "beam_idx")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep only batch rows `indices` in every layer."""
-        self._index_batch(indices, "indices")
+        index_layers_batch(self.layers, indices, "indices")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat every batch row `repeats` times in every layer."""
-        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-            raise CacheInputError(f"repeats must be a positive int, got {repeats!r}")
+        check_repeats(repeats)
         for layer in self.layers:
             layer.batch_repeat_interleave(repeats)
 

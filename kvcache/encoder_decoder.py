@@ -9,6 +9,7 @@ from typing_extensions import Self
 
 from .cache import Cache
 from .errors import CacheInputError, KVCacheError
+from .layers.base import CacheLayer, check_repeats, index_layers_batch
 
 
 class EncoderDecoderCache:
@@ -111,25 +112,20 @@ class EncoderDecoderCache:
             raise KVCacheError(f"self- and cross-attention caches disagree on batch size: {sorted(sizes)}")  # type: ignore[type-var]
         return next(iter(sizes), None)
 
-    def _index_batch(self, index: Any, name: str) -> None:
-        parts = (self.self_attention_cache, self.cross_attention_cache)
-        checked = [[layer.check_batch_index(index, name) for layer in part.layers] for part in parts]
-        for part, indices in zip(parts, checked, strict=True):
-            for layer, idx in zip(part.layers, indices, strict=True):
-                layer._index_batch(idx)
+    def _layers(self) -> list[CacheLayer]:
+        return [*self.self_attention_cache.layers, *self.cross_attention_cache.layers]
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
         """Reorder the batch of both parts for beam search."""
-        self._index_batch(beam_idx, "beam_idx")
+        index_layers_batch(self._layers(), beam_idx, "beam_idx")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep only batch rows `indices` in both parts."""
-        self._index_batch(indices, "indices")
+        index_layers_batch(self._layers(), indices, "indices")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat every batch row `repeats` times in both parts."""
-        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-            raise CacheInputError(f"repeats must be a positive int, got {repeats!r}")
+        check_repeats(repeats)
         self.self_attention_cache.batch_repeat_interleave(repeats)
         self.cross_attention_cache.batch_repeat_interleave(repeats)
 

@@ -10,6 +10,7 @@ from kvcache import CacheInputError, RollbackError
 from kvcache.layers.hybrid import HybridLayer
 from kvcache.layers.recurrent import RecurrentLayer
 from kvcache.models import HybridConfig, HybridLM
+from kvcache.models.hybrid import gated_linear_recurrence
 from kvcache.protocol import CausalLM
 
 ATOL = RTOL = 1e-5  # fp32, logits of magnitude ~1-10
@@ -56,6 +57,27 @@ def run_chunks(model, ids, chunks, cache=None, **kwargs):
 
 def close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.allclose(a, b, atol=ATOL, rtol=RTOL)
+
+
+def test_recurrence_matches_its_closed_form():
+    """y_t = (prod_{r<=t} a_r) S_0^T q_t + sum_{s<=t} (prod_{s<r<=t} a_r) beta_s (q_t . k_s) v_s."""
+    gen = torch.Generator().manual_seed(0)
+    b, t, h, dk, dv = 2, 7, 3, 4, 5
+    q, k = torch.randn(b, t, h, dk, generator=gen), torch.randn(b, t, h, dk, generator=gen)
+    v, s0 = torch.randn(b, t, h, dv, generator=gen), torch.randn(b, h, dk, dv, generator=gen)
+    decay, beta = torch.rand(b, t, h, generator=gen), torch.rand(b, t, h, generator=gen)
+    y, states = gated_linear_recurrence(q, k, v, decay, beta, s0)
+    for i in range(t):
+        want = decay[:, : i + 1].prod(1)[..., None] * torch.einsum("bhk,bhkv->bhv", q[:, i], s0)
+        for j in range(i + 1):
+            weight = decay[:, j + 1 : i + 1].prod(1) * beta[:, j] * (q[:, i] * k[:, j]).sum(-1)
+            want = want + weight[..., None] * v[:, j]
+        assert torch.allclose(y[:, i], want, atol=1e-5)
+    final = decay.prod(1)[..., None, None] * s0
+    for j in range(t):
+        weight = decay[:, j + 1 :].prod(1) * beta[:, j]
+        final = final + weight[..., None, None] * torch.einsum("bhk,bhv->bhkv", k[:, j], v[:, j])
+    assert torch.allclose(states[:, -1], final, atol=1e-5)
 
 
 @torch.no_grad()

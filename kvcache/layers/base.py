@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -144,8 +145,7 @@ class CacheLayer(ABC):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat every batch row `repeats` times in place (row order 0,0,1,1,...)."""
-        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-            raise CacheInputError(f"repeats must be a positive int, got {repeats!r}")
+        check_repeats(repeats)
         if self.batch_size is not None:
             self._index_batch(torch.arange(self.batch_size).repeat_interleave(repeats))
 
@@ -190,6 +190,22 @@ class CacheLayer(ABC):
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v}" for k, v in self.meta_state.items())
         return f"{type(self).__name__}({params})"
+
+
+def check_repeats(repeats: Any) -> int:
+    """Validate a `batch_repeat_interleave` argument."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise CacheInputError(f"repeats must be a positive int, got {repeats!r}")
+    return repeats
+
+
+def index_layers_batch(layers: Iterable[CacheLayer], index: Any, name: str) -> None:
+    """Apply a batch index to every layer, after checking it against all of them (so a bad index
+    changes nothing anywhere)."""
+    layers = list(layers)
+    checked = [layer.check_batch_index(index, name) for layer in layers]
+    for layer, idx in zip(layers, checked, strict=True):
+        layer._index_batch(idx)
 
 
 def _crop_amount(tokens_to_remove: Any) -> int:

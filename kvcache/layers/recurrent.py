@@ -262,7 +262,7 @@ class RecurrentLayer(CacheLayer):
         if self._recording:
             if slot.steps:
                 slot.steps[-1].open = False
-            before = slot.rec
+            before = None if slot.rec is None else slot.rec.clone()
             slot.steps.append(_Step(tokens=n, conv_tokens=n, before=before))
             returned = self._append_conv(slot, conv_states, kernel)
         elif slot.conv is None:

@@ -81,11 +81,14 @@ class DecoderLM(nn.Module):
     their logits `[batch, new, vocab]`; without a cache it runs the whole sequence at once.
     """
 
-    def __init__(self, config: DecoderConfig) -> None:
+    #: The block built for each layer index; subclasses (the hybrid model) swap in their own.
+    block_class: type[nn.Module] = DecoderBlock
+
+    def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderBlock(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(self.block_class(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -101,7 +104,7 @@ class DecoderLM(nn.Module):
         return self.embed.weight.device
 
     def new_cache(self) -> Cache:
-        """A fresh `DynamicCache` with one full or sliding-window layer per model layer."""
+        """A fresh `DynamicCache` with one layer per model layer, of the kind its layer type names."""
         return DynamicCache(layer_types=self.config.layer_types, sliding_window=self.config.sliding_window)
 
     def forward(

@@ -23,7 +23,8 @@ from torch import nn
 
 from ..cache import Cache
 from ..errors import CacheInputError
-from .modules import MLP, RMSNorm, SelfAttention, check_inputs, default_position_ids, init_weights
+from .decoder import DecoderLM
+from .modules import MLP, RMSNorm, SelfAttention
 
 HYBRID_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "hybrid")
 
@@ -66,6 +67,24 @@ class HybridConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def gated_linear_recurrence(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`S_t = decay_t * S_{t-1} + beta_t * k_t v_t^T`, `y_t = S_t^T q_t`, one token at a time, in fp32.
+
+    q, k `[batch, T, heads, dk]`; v `[batch, T, heads, dv]`; decay, beta `[batch, T, heads]`;
+    state `[batch, heads, dk, dv]` (S_0). Returns y `[batch, T, heads, dv]` and every S_t
+    `[batch, T, heads, dk, dv]` (the last one is the new state).
+    """
+    outputs, states = [], []
+    for t in range(q.shape[1]):
+        update = torch.einsum("bhk,bhv->bhkv", k[:, t].float(), v[:, t].float())
+        state = decay[:, t, :, None, None] * state + beta[:, t, :, None, None] * update
+        outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, t].float(), state))
+        states.append(state)
+    return torch.stack(outputs, dim=1), torch.stack(states, dim=1)
 
 
 class GatedLinearRecurrence(nn.Module):
@@ -123,17 +142,12 @@ class GatedLinearRecurrence(nn.Module):
         state = cache.get_recurrent_state(self.layer_idx) if cache is not None else None
         if state is None:
             state = x.new_zeros(batch, self.heads, self.dk, self.dv, dtype=torch.float32)
-        outputs, states = [], []
-        for t in range(length):
-            update = torch.einsum("bhk,bhv->bhkv", k[:, t].float(), v[:, t].float())
-            state = decay[:, t, :, None, None] * state + beta[:, t, :, None, None] * update
-            outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, t].float(), state))
-            states.append(state)
+        outputs, states = gated_linear_recurrence(q, k, v, decay, beta, state)
         if cache is not None:
-            extra = {"intermediate_states": torch.stack(states, dim=1)} if self.return_intermediate_states else {}
-            cache.update_recurrent_state(state, self.layer_idx, 0, **extra)
+            extra = {"intermediate_states": states} if self.return_intermediate_states else {}
+            cache.update_recurrent_state(states[:, -1], self.layer_idx, 0, **extra)
 
-        y = self.out_norm(torch.stack(outputs, dim=1).to(x.dtype))  # [batch, length, heads, dv]
+        y = self.out_norm(outputs.to(x.dtype))  # [batch, length, heads, dv]
         y = y.reshape(batch, length, -1) * F.silu(self.out_gate(x))
         return self.out_proj(y)
 
@@ -181,65 +195,15 @@ class HybridBlock(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class HybridLM(nn.Module):
-    """Hybrid language model implementing `kvcache.protocol.CausalLM`; its cache mixes attention
-    layers, `RecurrentLayer`s and `HybridLayer`s (see `new_cache`)."""
+class HybridLM(DecoderLM):
+    """Hybrid language model implementing `kvcache.protocol.CausalLM`: `DecoderLM`'s embedding,
+    head and forward over `HybridBlock`s; its cache mixes attention layers, `RecurrentLayer`s and
+    `HybridLayer`s (`new_cache` builds them from the layer types)."""
 
-    def __init__(self, config: HybridConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(HybridBlock(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed.weight
-        self.apply(init_weights)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed.weight.device
+    block_class = HybridBlock
 
     def set_return_intermediate_states(self, enabled: bool) -> None:
         """Hand per-token recurrent states to the cache, so `crop` can land inside a multi-token step."""
         for block in self.layers:
             if block.recurrent is not None:
                 block.recurrent.return_intermediate_states = enabled
-
-    def new_cache(self) -> Cache:
-        """A `Cache` with, per layer: `DynamicLayer`, `SlidingWindowLayer`, `RecurrentLayer`, or
-        `HybridLayer(DynamicLayer(), RecurrentLayer())`."""
-        from ..layers.dynamic import DynamicLayer
-        from ..layers.hybrid import HybridLayer
-        from ..layers.recurrent import RecurrentLayer
-        from ..layers.sliding import SlidingWindowLayer
-
-        builders = {
-            "full_attention": DynamicLayer,
-            "sliding_attention": lambda: SlidingWindowLayer(self.config.sliding_window),  # type: ignore[arg-type]
-            "linear_attention": RecurrentLayer,
-            "hybrid": lambda: HybridLayer(DynamicLayer(), RecurrentLayer()),
-        }
-        return Cache([builders[kind]() for kind in self.config.layer_types])
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        *,
-        cache: Cache | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        past_length = cache.get_seq_length() if cache is not None else 0
-        check_inputs(input_ids, self.vocab_size, attention_mask, position_ids, past_length)
-        batch, length = input_ids.shape
-        if position_ids is None:
-            position_ids = default_position_ids(batch, length, past_length, attention_mask, input_ids.device)
-        x = self.embed(input_ids)
-        for block in self.layers:
-            x = block(x, position_ids, cache=cache, past_length=past_length, attention_mask=attention_mask)
-        return self.lm_head(self.norm(x))

@@ -84,7 +84,10 @@ def check_inputs(
         raise CacheInputError("input_ids must be an integer tensor [batch, seq]")
     if input_ids.shape[1] == 0:
         raise CacheInputError("input_ids has no tokens")
-    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
+    # Range check on the host only: on an accelerator it would make the host wait every step
+    # (the generation driver validates prompts once, up front, on every device).
+    on_host = input_ids.device.type == "cpu"
+    if on_host and input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
         raise CacheInputError(f"input_ids out of range for vocab_size {vocab_size}")
     batch, length = input_ids.shape
     if attention_mask is not None and tuple(attention_mask.shape) != (batch, past_length + length):

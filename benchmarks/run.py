@@ -1,0 +1,115 @@
+"""The benchmark suite's entry point: every scenario, kvcache next to what one would use instead.
+
+    python -m benchmarks --quick          # about a minute
+    python -m benchmarks                  # full run
+    python -m benchmarks --only rollback memory --out /tmp/bench
+
+Prints Markdown (one section per scenario, then the targets) to stdout, and writes the raw figures
+to OUT/results.json and, when matplotlib is installed (the `bench` extra), PNG plots to OUT
+(default: benchmarks/results/). Run it from the repository root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from benchmarks.common import Section
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+
+
+def scenarios() -> dict[str, Callable[[str], Section]]:
+    """The registry: scenario name -> function(mode) returning its `Section`, in the issue's order."""
+    from benchmarks.scenarios_io import generation_scenario, persistence_scenario
+    from benchmarks.scenarios_layers import append_scenario, memory_scenario, rollback_scenario
+
+    return {
+        "append": append_scenario,
+        "rollback": rollback_scenario,
+        "memory": memory_scenario,
+        "persistence": persistence_scenario,
+        "generation": generation_scenario,
+    }
+
+
+def machine(mode: str, threads: int) -> dict[str, object]:
+    from benchmarks.kinds import transformers_version
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "mode": mode,
+        "cpus": os.cpu_count(),
+        "torch_threads": threads,
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers_version(),
+        "load_average_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.common import MODES, targets_table, write_json, write_plots
+
+    registry = scenarios()
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_const", dest="mode", const="quick", help="about a minute")
+    size.add_argument("--full", action="store_const", dest="mode", const="full", help="the full run (default)")
+    size.add_argument("--smoke", action="store_const", dest="mode", const="smoke", help="tiny sizes, for tests")
+    parser.add_argument("--only", nargs="+", choices=list(registry), help="run only these scenarios")
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help=f"where results.json and plots go ({DEFAULT_OUT})"
+    )
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steadier timings)")
+    args = parser.parse_args(argv)
+    mode = args.mode or "full"
+    assert mode in MODES
+    torch.set_num_threads(args.threads)
+
+    meta = machine(mode, args.threads)
+    print(f"# kvcache benchmarks ({mode} run)\n")
+    print(
+        f"{meta['date']}; {meta['cpus']} CPU(s) ({meta['processor']}), {args.threads} torch thread(s), "
+        f"Python {meta['python']}, torch {meta['torch']}, transformers {meta['transformers'] or 'not installed'}; "
+        f"load average {meta['load_average_at_start']:.1f} at start.\n"
+    )
+    sections: list[Section] = []
+    walls: dict[str, float] = {}
+    with torch.no_grad():
+        for name in args.only or list(registry):
+            start = time.perf_counter()
+            section = registry[name](mode)
+            walls[name] = time.perf_counter() - start
+            sections.append(section)
+            print(section.markdown(), flush=True)
+    meta["wall_seconds"] = walls
+    print("## Targets\n")
+    print(targets_table(sections).markdown())
+    missed = [(s.name, t) for s in sections for t in s.targets if not t.met]
+    print("\n" + (f"{len(missed)} target(s) missed; see the notes column." if missed else "Every target met.") + "\n")
+
+    write_json(args.out / "results.json", meta, sections)
+    plots = [] if args.no_plots else write_plots(args.out, sections)
+    where = f"Raw figures: {args.out / 'results.json'}"
+    if not args.no_plots:
+        where += f"; {len(plots)} plot(s) in {args.out}" if plots else "; no plots (matplotlib not installed)"
+    print(f"{where}. Wall time per scenario: " + ", ".join(f"{k} {v:.0f} s" for k, v in walls.items()) + ".")
+    return 0
+
+
+if __name__ == "__main__":  # python benchmarks/run.py: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.exit(main())
