@@ -100,30 +100,7 @@ class TransformersCache(HFCache):
         layer = self.cache.layers[layer_idx] if layer_idx < len(self.cache.layers) else None
         return bool(layer is not None and layer.has_recurrent) or self.cache.is_recording_past(layer_idx)
 
-    # ------------------------------------------------------------------------ whole-cache ops
-    def crop(self, tokens_to_remove: int) -> None:
-        self.cache.crop(tokens_to_remove)
-
-    def activate_past_recording(self) -> None:
-        self.cache.activate_past_recording()
-
-    def reset(self) -> None:
-        self.cache.reset()
-
-    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
-        self.cache.reorder_cache(beam_idx)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self.cache.batch_repeat_interleave(repeats)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.cache.batch_select_indices(indices)
-
     # --------------------------------------------------------------------------------- flags
-    @property
-    def max_rollback(self) -> int:
-        return self.cache.max_rollback
-
     @property
     def batch_size(self) -> int:
         size = self.cache.batch_size
@@ -136,10 +113,6 @@ class TransformersCache(HFCache):
     @property
     def is_initialized(self) -> bool:
         return bool(self.cache.layers) and self.cache.batch_size is not None
-
-    @property
-    def is_croppable(self) -> bool:
-        return self.cache.is_croppable
 
     @property
     def is_sliding(self) -> list[bool]:
@@ -182,31 +155,29 @@ class TransformersEncoderDecoderCache(HFEncoderDecoderCache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.cache.get_seq_length(layer_idx)
 
-    def crop(self, tokens_to_remove: int) -> None:
-        self.cache.crop(tokens_to_remove)
 
-    def activate_past_recording(self) -> None:
-        self.cache.activate_past_recording()
+#: Whole-cache operations both adapters hand to the kvcache cache unchanged.
+_FORWARDED_METHODS = (
+    "crop", "activate_past_recording", "reset", "reorder_cache", "batch_repeat_interleave", "batch_select_indices"
+)  # fmt: skip
+_FORWARDED_PROPERTIES = ("max_rollback", "is_croppable")
 
-    def reset(self) -> None:
-        self.cache.reset()
 
-    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
-        self.cache.reorder_cache(beam_idx)
+def _forward_to_cache(cls: type) -> None:
+    """Give `cls` methods/properties that call the same name on `self.cache` (replacing
+    transformers' own, which would act on layers the adapter does not have)."""
+    for name in _FORWARDED_METHODS:
+        def method(self: Any, *args: Any, _name: str = name, **kwargs: Any) -> Any:
+            return getattr(self.cache, _name)(*args, **kwargs)
 
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self.cache.batch_repeat_interleave(repeats)
+        method.__name__, method.__doc__ = name, f"`cache.{name}(...)` of the wrapped kvcache cache."
+        setattr(cls, name, method)
+    for name in _FORWARDED_PROPERTIES:
+        setattr(cls, name, property(lambda self, _name=name: getattr(self.cache, _name)))
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.cache.batch_select_indices(indices)
 
-    @property
-    def max_rollback(self) -> int:
-        return self.cache.max_rollback
-
-    @property
-    def is_croppable(self) -> bool:
-        return self.cache.is_croppable
+_forward_to_cache(TransformersCache)
+_forward_to_cache(TransformersEncoderDecoderCache)
 
 
 def as_transformers_cache(cache: Any) -> HFCache:
