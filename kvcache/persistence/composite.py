@@ -57,8 +57,10 @@ def describe_cache(cache: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
 def _describe(cache: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     kind = composite_kinds().get(type(cache).__name__)
     if kind is None or type(cache) is not kind.cls:
+        wrapped = getattr(cache, "cache", None)  # e.g. the transformers adapter around a kvcache cache
+        hint = "" if wrapped is None else f"; save the kvcache cache it wraps (`.cache`, a {type(wrapped).__name__})"
         raise CacheInputError(
-            f"cannot save a {type(cache).__name__}: only {sorted(composite_kinds())} can be saved"
+            f"cannot save a {type(cache).__name__}: only {sorted(composite_kinds())} can be saved{hint}"
         )
     return {"class": type(cache).__name__, **kind.describe(cache, prefix, tensors)}
 
