@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +30,11 @@ from typing import Any
 import torch
 
 from kvcache import DynamicLayer, SlidingWindowLayer, StaticLayer
+
+try:
+    from .common import Timing, rotate
+except ImportError:  # run as a script: python benchmarks/append.py
+    from common import Timing, rotate  # type: ignore[no-redef]
 
 BATCH, HEADS, HEAD_DIM, LAYERS = 1, 8, 64, 8
 DTYPE = torch.float32
@@ -83,25 +87,22 @@ def time_once(base: list[Any], tokens: list[tuple[torch.Tensor, torch.Tensor]], 
     return first, (time.perf_counter() - t0) / steps
 
 
-def measure(factory: Callable[[int], Any], contexts: list[int], steps: int, reps: int) -> dict[int, dict[str, float]]:
-    """Per context: median seconds per decode token (all layers) in steady state, the first step's
-    cost and the amortized cost. Contexts are interleaved within each repetition, so a change in
-    machine load hits all of them alike."""
+def measure(factory: Callable[[int], Any], contexts: list[int], steps: int, reps: int) -> dict[int, dict[str, Timing]]:
+    """Per context: seconds per decode token (all layers) in steady state, the first step's cost and
+    the amortized cost, one sample per repetition. Contexts are interleaved within each repetition
+    (`rotate`), so a change in machine load hits all of them alike."""
     gen = torch.Generator().manual_seed(1)
     tokens = [
         (torch.randn(BATCH, HEADS, 1, HEAD_DIM, generator=gen), torch.randn(BATCH, HEADS, 1, HEAD_DIM, generator=gen))
         for _ in range(16)
     ]
     bases = {c: prefilled(factory, c) for c in contexts}
-    samples: dict[int, list[tuple[float, float]]] = {c: [] for c in contexts}
-    for _ in range(reps):
-        for c in contexts:
-            samples[c].append(time_once(bases[c], tokens, steps))
+    samples = rotate({c: lambda c=c: time_once(bases[c], tokens, steps) for c in contexts}, reps)
     out = {}
-    for c in contexts:
-        first = statistics.median(f for f, _ in samples[c])
-        steady = statistics.median(s for _, s in samples[c])
-        out[c] = {"steady": steady, "first": first, "amortized": steady + max(first - steady, 0.0) / c}
+    for c, pairs in samples.items():
+        first, steady = [f for f, _ in pairs], [s for _, s in pairs]
+        amortized = [s + max(f - s, 0.0) / c for f, s in pairs]
+        out[c] = {"steady": Timing.of(steady), "first": Timing.of(first), "amortized": Timing.of(amortized)}
     return out
 
 
@@ -116,7 +117,7 @@ def main() -> None:
     contexts = [512, 4096, 8192] if args.quick else [512, 1024, 2048, 4096, 8192]
     steps, reps = (128, 3) if args.quick else (256, 9)
     hf_steps, hf_reps = (8, 3) if args.quick else (16, 5)
-    results: dict[str, dict[int, dict[str, float]]] = {}
+    results: dict[str, dict[int, dict[str, Timing]]] = {}
     for name, factory in kinds(args.window, room=steps + 2).items():
         slow = name.startswith("transformers")
         results[name] = measure(factory, contexts, hf_steps if slow else steps, hf_reps if slow else reps)
@@ -129,22 +130,23 @@ def main() -> None:
     print("| layer | " + " | ".join(str(c) for c in contexts) + " | 8192/512 |")
     print("| --- |" + " ---: |" * (len(contexts) + 1))
     for name, row in results.items():
-        ratio = row[contexts[-1]]["steady"] / row[contexts[0]]["steady"]
-        cells = " | ".join(f"{row[c]['steady'] * 1e6:.1f}" for c in contexts)
+        ratio = row[contexts[-1]]["steady"].median / row[contexts[0]]["steady"].median
+        cells = " | ".join(f"{row[c]['steady'].median * 1e6:.1f}" for c in contexts)
         print(f"| {name} | {cells} | {ratio:.2f}x |")
 
     print("\nFirst decode step after the prefill (includes a growth buffer's one reallocation), in µs:\n")
     print("| layer | " + " | ".join(str(c) for c in contexts) + " |")
     print("| --- |" + " ---: |" * len(contexts))
     for name, row in results.items():
-        print(f"| {name} | " + " | ".join(f"{row[c]['first'] * 1e6:.0f}" for c in contexts) + " |")
+        print(f"| {name} | " + " | ".join(f"{row[c]['first'].median * 1e6:.0f}" for c in contexts) + " |")
 
     print("\nAmortized per token (steady + first-step extra spread over the L tokens to the next regrowth), µs:\n")
     print("| layer | " + " | ".join(str(c) for c in contexts) + " | 8192/512 |")
     print("| --- |" + " ---: |" * (len(contexts) + 1))
     for name, row in results.items():
-        ratio = row[contexts[-1]]["amortized"] / row[contexts[0]]["amortized"]
-        print(f"| {name} | " + " | ".join(f"{row[c]['amortized'] * 1e6:.1f}" for c in contexts) + f" | {ratio:.2f}x |")
+        ratio = row[contexts[-1]]["amortized"].median / row[contexts[0]]["amortized"].median
+        cells = " | ".join(f"{row[c]['amortized'].median * 1e6:.1f}" for c in contexts)
+        print(f"| {name} | {cells} | {ratio:.2f}x |")
 
     hf = results.get("transformers DynamicLayer")
     if hf is not None and 4096 in contexts:
@@ -153,7 +155,7 @@ def main() -> None:
         print("| --- | ---: |")
         for name, row in results.items():
             if not name.startswith("transformers"):
-                print(f"| {name} | {hf[4096]['steady'] / row[4096]['steady']:.1f}x |")
+                print(f"| {name} | {hf[4096]['steady'].median / row[4096]['steady'].median:.1f}x |")
     elif hf is None:
         print("\n(transformers not installed: no side-by-side comparison)")
 

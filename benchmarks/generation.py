@@ -16,9 +16,9 @@ medians over `--repeats` rounds; within a round the contenders run back to back,
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -31,6 +31,11 @@ from kvcache.models import (
     HybridConfig,
     HybridLM,
 )
+
+try:
+    from .common import Timing, rotate_timings
+except ImportError:  # run as a script: python benchmarks/generation.py
+    from common import Timing, rotate_timings  # type: ignore[no-redef]
 
 
 def bare_loop(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
@@ -59,26 +64,22 @@ def bare_loop_encoder_decoder(model, ids: torch.Tensor, new_tokens: int) -> torc
     return torch.stack(out, 1)
 
 
-def timed(fn: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor]:
-    start = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - start, result
-
-
-def compare(contenders: dict[str, Callable[[], torch.Tensor]], repeats: int) -> tuple[dict[str, float], bool]:
-    """Median seconds per contender (rotating order each round) and whether all outputs agree."""
-    names = list(contenders)
-    times: dict[str, list[float]] = {name: [] for name in names}
+def compare(contenders: dict[str, Callable[[], torch.Tensor]], repeats: int) -> tuple[dict[str, Timing], bool]:
+    """Seconds per contender (one warm-up round, then rotating order each round) and whether all
+    outputs agree."""
     outputs: dict[str, torch.Tensor] = {}
-    for name in names:  # warm-up
-        contenders[name]()
-    for round_ in range(repeats):
-        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
-            seconds, outputs[name] = timed(contenders[name])
-            times[name].append(seconds)
-    first = outputs[names[0]]
-    agree = all(torch.equal(first, out) for out in outputs.values())
-    return {name: statistics.median(t) for name, t in times.items()}, agree
+
+    def sampler(name: str) -> Callable[[], float]:
+        def sample() -> float:
+            start = time.perf_counter()
+            outputs[name] = contenders[name]()
+            return time.perf_counter() - start
+
+        return sample
+
+    times = rotate_timings({name: sampler(name) for name in contenders}, repeats, warmup=1)
+    first = next(iter(outputs.values()))
+    return times, all(torch.equal(first, out) for out in outputs.values())
 
 
 def reference_models(quick: bool) -> dict[str, object]:
@@ -126,17 +127,31 @@ class NullModel:
         return self.logits.expand(input_ids.shape[0], input_ids.shape[1], -1)
 
 
-def pure_overhead(new_tokens: int, repeats: int) -> None:
+def pure_overhead_timings(new_tokens: int, repeats: int) -> dict[str, Timing]:
+    """Seconds of each loop with the zero-cost model: the driver's own cost."""
     model = NullModel()
     ids = torch.zeros(1, 16, dtype=torch.long)
-    medians, _ = compare(contenders(model, ids, new_tokens), repeats)
+    return compare(contenders(model, ids, new_tokens), repeats)[0]
+
+
+def pure_overhead(new_tokens: int, repeats: int) -> None:
+    medians = pure_overhead_timings(new_tokens, repeats)
     print(f"## Driver cost per token with a zero-cost model ({new_tokens} new tokens)\n")
     print("| loop | microseconds per token |")
     print("| --- | ---: |")
     labels = {"bare": "bare loop", "immediate": "generate, StopCheck", "deferred": "generate, DeferredStopCheck (CPU)"}
     for name, label in labels.items():
-        print(f"| {label} | {medians[name] / new_tokens * 1e6:.1f} |")
+        print(f"| {label} | {medians[name].median / new_tokens * 1e6:.1f} |")
     print()
+
+
+def driver_timings(new_tokens: int, repeats: int, quick: bool) -> dict[str, tuple[dict[str, Timing], bool]]:
+    """Per reference model: seconds of the bare loop and of `generate`, and whether they agree."""
+    out = {}
+    for name, model in reference_models(quick).items():
+        ids = torch.randint(0, model.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
+        out[name] = compare(contenders(model, ids, new_tokens), repeats)
+    return out
 
 
 def driver_overhead(new_tokens: int, repeats: int, quick: bool) -> None:
@@ -144,10 +159,8 @@ def driver_overhead(new_tokens: int, repeats: int, quick: bool) -> None:
     print("| model | bare loop tok/s | generate tok/s (immediate) | ratio | generate tok/s (deferred) | ratio "
           "| same tokens |")  # fmt: skip
     print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
-    for name, model in reference_models(quick).items():
-        ids = torch.randint(0, model.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
-        medians, agree = compare(contenders(model, ids, new_tokens), repeats)
-        rate = {k: new_tokens / v for k, v in medians.items()}
+    for name, (timings, agree) in driver_timings(new_tokens, repeats, quick).items():
+        rate = {k: new_tokens / v.median for k, v in timings.items()}
         print(
             f"| {name} | {rate['bare']:.0f} | {rate['immediate']:.0f} | {rate['immediate'] / rate['bare']:.2f} "
             f"| {rate['deferred']:.0f} | {rate['deferred'] / rate['bare']:.2f} | {'yes' if agree else 'NO'} |"
@@ -155,15 +168,16 @@ def driver_overhead(new_tokens: int, repeats: int, quick: bool) -> None:
     print()
 
 
-def against_transformers(new_tokens: int, repeats: int) -> None:
+def transformers_timings(new_tokens: int, repeats: int) -> dict[str, Any] | str:
+    """On a tiny random LlamaForCausalLM: seconds of transformers' `generate`, of ours (through
+    `wrap_model`) and of a bare loop, and whether all three agree; or why it was skipped."""
     try:
         import transformers
         from transformers import LlamaConfig, LlamaForCausalLM
 
         from kvcache.integrations.transformers import wrap_model
     except ImportError as err:
-        print(f"(transformers comparison skipped: {err})\n")
-        return
+        return f"transformers comparison skipped: {err}"
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -181,15 +195,27 @@ def against_transformers(new_tokens: int, repeats: int) -> None:
     def ours() -> torch.Tensor:
         return generate(wrapped, ids, max_new_tokens=new_tokens).sequences
 
-    medians, agree = compare({"transformers": theirs, "kvcache": ours}, repeats)
-    print(f"## kvcache `generate` against transformers {transformers.__version__} `generate`")
+    timings, agree = compare(
+        {"transformers": theirs, "kvcache": ours, "bare": lambda: bare_loop(wrapped, ids, new_tokens)}, repeats
+    )
+    return {"version": transformers.__version__, "timings": timings, "agree": agree}
+
+
+def against_transformers(new_tokens: int, repeats: int) -> None:
+    result = transformers_timings(new_tokens, repeats)
+    if isinstance(result, str):
+        print(f"({result})\n")
+        return
+    timings = result["timings"]
+    print(f"## kvcache `generate` against transformers {result['version']} `generate`")
     print(f"(tiny random LlamaForCausalLM, 2 layers, greedy, batch 1, {new_tokens} new tokens)\n")
     print("| driver | tok/s | relative | identical tokens |")
     print("| --- | ---: | ---: | --- |")
-    base = new_tokens / medians["transformers"]
-    for name in ("transformers", "kvcache"):
-        rate = new_tokens / medians[name]
-        print(f"| {name} `generate` | {rate:.0f} | {rate / base:.2f} | {'yes' if agree else 'NO'} |")
+    base = new_tokens / timings["transformers"].median
+    labels = {"transformers": "transformers `generate`", "kvcache": "kvcache `generate`", "bare": "bare loop"}
+    for name, label in labels.items():
+        rate = new_tokens / timings[name].median
+        print(f"| {label} | {rate:.0f} | {rate / base:.2f} | {'yes' if result['agree'] else 'NO'} |")
     print()
 
 

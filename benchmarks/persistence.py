@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +27,11 @@ from safetensors.torch import load_file, save_file
 
 from kvcache import DynamicCache, load_cache, save_cache
 from kvcache.persistence.composite import describe_cache
+
+try:
+    from .common import Timing, rotate_timings, seconds
+except ImportError:  # run as a script: python benchmarks/persistence.py
+    from common import Timing, rotate_timings, seconds  # type: ignore[no-redef]
 
 LAYERS, HEADS, HEAD_DIM = 24, 8, 128
 
@@ -42,18 +45,6 @@ def build_cache(tokens: int) -> DynamicCache:
     return cache
 
 
-def medians(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
-    """Median seconds per function, run round-robin so that drift in machine load hits all alike."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            result = fn()
-            times[name].append(time.perf_counter() - start)
-            del result
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
 def read_all(tensors: Any) -> float:
     """Touch every byte (so a lazy, memory-mapped load pays for its reads)."""
     return float(sum(t.sum() for t in tensors))
@@ -63,21 +54,14 @@ def cache_tensors(cache: Any) -> list[torch.Tensor]:
     return list(describe_cache(cache)[1].values())
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="~64 MiB instead of ~0.5 GiB")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--dir", default=None, help="where to write the temporary files")
-    args = parser.parse_args(argv)
-
-    target_bytes = (64 if args.quick else 512) * 2**20
-    tokens = target_bytes // (LAYERS * 2 * HEADS * HEAD_DIM * 4)
+def measure(size_mib: int, repeats: int, directory: str | None = None) -> dict[str, Any]:
+    """Save/load timings of a ~`size_mib` MiB cache: ours, safetensors' and torch's, round-robin
+    (`rotate`) so that drift in machine load hits all alike; checks the loaded tensors are equal."""
+    tokens = size_mib * 2**20 // (LAYERS * 2 * HEADS * HEAD_DIM * 4)
     cache = build_cache(tokens)
     plain = {name: t.contiguous() for name, t in describe_cache(cache)[1].items()}
-    nbytes = sum(t.nbytes for t in plain.values())
-    gib = nbytes / 2**30
 
-    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
         ours, theirs, torch_path = Path(tmp) / "cache.safetensors", Path(tmp) / "plain.safetensors", Path(tmp) / "t.pt"
 
         def save_file_fsync() -> None:
@@ -86,51 +70,73 @@ def main(argv: list[str] | None = None) -> int:
             os.fsync(fd)
             os.close(fd)
 
-        save = medians(
+        def timings(fns: dict[str, Callable[[], Any]]) -> dict[str, Timing]:
+            return rotate_timings({name: lambda fn=fn: seconds(fn) for name, fn in fns.items()}, repeats)
+
+        save = timings(
             {
                 "ours": lambda: save_cache(cache, ours),
                 "theirs": save_file_fsync,
                 "ours_nosync": lambda: save_cache(cache, ours, fsync=False),
                 "theirs_nosync": lambda: save_file(plain, theirs),
                 "torch": lambda: torch.save(plain, torch_path),
-            },
-            args.repeats,
+            }
         )
-        lazy = medians(
+        lazy = timings(
             {
                 "ours": lambda: load_cache(ours),
                 "theirs": lambda: load_file(theirs),
                 "torch": lambda: torch.load(torch_path, weights_only=True, mmap=True),
-            },
-            args.repeats,
+            }
         )
-        full = medians(
+        full = timings(
             {
                 "ours": lambda: read_all(cache_tensors(load_cache(ours))),
                 "theirs": lambda: read_all(load_file(theirs).values()),
                 "torch": lambda: read_all(torch.load(torch_path, weights_only=True).values()),
-            },
-            args.repeats,
+            }
         )
         loaded = load_cache(ours)
         assert all(torch.equal(a, b) for a, b in zip(cache_tensors(loaded), plain.values(), strict=True))
         file_sizes = (ours.stat().st_size, theirs.stat().st_size)
 
     rows = [
-        ("save, flushed to disk (fsync)", save["ours"], save["theirs"], float("nan")),
+        ("save, flushed to disk (fsync)", save["ours"], save["theirs"], None),
         ("save, no fsync", save["ours_nosync"], save["theirs_nosync"], save["torch"]),
         ("load (lazy, memory-mapped)", lazy["ours"], lazy["theirs"], lazy["torch"]),
         ("load + read every byte", full["ours"], full["theirs"], full["torch"]),
     ]
-    print(f"### Persistence: {LAYERS} layers x [1, {HEADS}, {tokens}, {HEAD_DIM}] fp32 keys+values = {gib:.3f} GiB")
-    print(f"(medians of {args.repeats}; files {file_sizes[0]:,d} B (kvcache) vs {file_sizes[1]:,d} B (safetensors); "
+    return {
+        "tokens": tokens,
+        "bytes": sum(t.nbytes for t in plain.values()),
+        "file_sizes": file_sizes,
+        "rows": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="~64 MiB instead of ~0.5 GiB")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dir", default=None, help="where to write the temporary files")
+    args = parser.parse_args(argv)
+
+    result = measure(64 if args.quick else 512, args.repeats, args.dir)
+    gib, (ours_size, theirs_size) = result["bytes"] / 2**30, result["file_sizes"]
+    print(
+        f"### Persistence: {LAYERS} layers x [1, {HEADS}, {result['tokens']}, {HEAD_DIM}] fp32 keys+values = "
+        f"{gib:.3f} GiB"
+    )
+    print(f"(medians of {args.repeats}; files {ours_size:,d} B (kvcache) vs {theirs_size:,d} B (safetensors); "
           f"torch {torch.__version__}, {os.cpu_count()} CPU(s), page cache warm)\n")
     print("| operation | kvcache s | safetensors s | kvcache / safetensors | torch s | kvcache GiB/s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for name, ours_s, theirs_s, torch_s in rows:
-        torch_cell = "" if torch_s != torch_s else f"{torch_s:.4f}"
-        ratio = ours_s / theirs_s
-        print(f"| {name} | {ours_s:.4f} | {theirs_s:.4f} | {ratio:.2f}x | {torch_cell} | {gib / ours_s:.2f} |")
+    for name, ours_t, theirs_t, torch_t in result["rows"]:
+        torch_cell = "" if torch_t is None else f"{torch_t.median:.4f}"
+        ours_s, theirs_s = ours_t.median, theirs_t.median
+        print(
+            f"| {name} | {ours_s:.4f} | {theirs_s:.4f} | {ours_s / theirs_s:.2f}x | {torch_cell} | {gib / ours_s:.2f} |"
+        )
     return 0
 
 

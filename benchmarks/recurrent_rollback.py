@@ -11,12 +11,16 @@ same run. Run: `python benchmarks/recurrent_rollback.py [--reps N]`.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+from collections.abc import Sequence
 
 import torch
 
 from kvcache import RecurrentLayer
+
+try:
+    from .common import Timing, timed_after
+except ImportError:  # run as a script: python benchmarks/recurrent_rollback.py
+    from common import Timing, timed_after  # type: ignore[no-redef]
 
 STATE_SHAPE = (1, 32, 64, 128)
 CONV_CHANNELS, KERNEL = 4352, 4
@@ -46,34 +50,47 @@ def needed(r: int) -> int:
     return (1 + r) * STATE_BYTES + (KERNEL + r) * CONV_CHANNELS * 4
 
 
+def memory_rows(rs: Sequence[int]) -> list[dict[str, int | None]]:
+    """Per recorded step count r (first None: not recording): bytes held (spare capacity included),
+    bytes rollback needs, recurrent states held and conv columns in use."""
+    rows = []
+    for r in (None, *rs):
+        layer = recorded_layer(r or 0)
+        if r is None:
+            layer.record_past = False
+        rows.append(
+            {
+                "recorded": r,
+                "held": layer.nbytes(),
+                "needed": needed(r or 0),
+                "states": sum(1 for name in layer.state if name.startswith("recurrent")),
+                "conv_columns": layer.state["conv.0"].shape[-1],
+            }
+        )
+    return rows
+
+
 def memory_table() -> list[str]:
     rows = [
         "| recorded steps r | bytes held | bytes needed | recurrent states held | bound 1 + r | conv columns |",
         "| ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    layer = recorded_layer(0)
-    layer.record_past = False
-    rows.append(f"| not recording | {layer.nbytes():,} | {needed(0):,} | 1 | 1 | {KERNEL} |")
-    for r in (0, 1, 2, 4, 8, 16, 32, 64):
-        layer = recorded_layer(r)
-        states = sum(1 for name in layer.state if name.startswith("recurrent"))
-        columns = layer.state["conv.0"].shape[-1]
-        rows.append(f"| {r} | {layer.nbytes():,} | {needed(r):,} | {states} | {1 + r} | {columns} = {KERNEL} + {r} |")
+    for row in memory_rows((0, 1, 2, 4, 8, 16, 32, 64)):
+        r = row["recorded"]
+        columns = f"{row['conv_columns']}" + ("" if r is None else f" = {KERNEL} + {r}")
+        label, bound = ("not recording", 1) if r is None else (str(r), 1 + r)
+        rows.append(f"| {label} | {row['held']:,} | {row['needed']:,} | {row['states']} | {bound} | {columns} |")
     return rows
 
 
-def timed(setup, action, reps: int) -> float:
-    """Median seconds of `action(obj)` over `reps` fresh `setup()` objects."""
-    times = []
-    for _ in range(reps):
-        obj = setup()
-        start = time.perf_counter()
-        action(obj)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def timed(setup, action, reps: int) -> Timing:
+    """Seconds of `action(obj)` over `reps` fresh `setup()` objects."""
+    sample = timed_after(setup, action)
+    return Timing.of([sample() for _ in range(reps)])
 
 
-def crop_table(reps: int) -> list[str]:
+def crop_timings(reps: int) -> tuple[Timing, list[tuple[str, str, Timing]]]:
+    """One recorded decode step, and per crop (what, from where) its time, all on fresh layers."""
     gen = torch.Generator().manual_seed(1)
     x, state = torch.randn(1, CONV_CHANNELS, 1, generator=gen), torch.randn(STATE_SHAPE, generator=gen)
 
@@ -82,20 +99,28 @@ def crop_table(reps: int) -> list[str]:
         layer.update_recurrent_state(state)
 
     step = timed(lambda: recorded_layer(32), one_step, reps)
+    crops = []
+    for k in (1, 4, 16, 32):
+        t = timed(lambda: recorded_layer(32), lambda layer, k=k: layer.crop(-k), reps)
+        crops.append((f"crop(-{k})", "32 recorded steps", t))
+    commit = timed(lambda: recorded_layer(32), lambda layer: layer.crop(0), reps)
+    crops.append(("crop(0) commit", "32 recorded steps", commit))
+    for j in (1, 4):
+        t = timed(lambda: recorded_layer(0, verify_tokens=8), lambda layer, j=j: layer.crop(-j), reps)
+        crops.append((f"crop(-{j}) inside", "one 8-token verify step", t))
+    return step, crops
+
+
+def crop_table(reps: int) -> list[str]:
+    step, crops = crop_timings(reps)
     rows = [
-        f"Recorded decode step (conv update + snapshot + state copy): {step * 1e6:.0f} us (median of {reps})",
+        f"Recorded decode step (conv update + snapshot + state copy): {step.median * 1e6:.0f} us (median of {reps})",
         "",
         "| crop | from | median time (us) | x one recorded step |",
         "| --- | --- | ---: | ---: |",
     ]
-    for k in (1, 4, 16, 32):
-        t = timed(lambda: recorded_layer(32), lambda layer, k=k: layer.crop(-k), reps)
-        rows.append(f"| crop(-{k}) | 32 recorded steps | {t * 1e6:.0f} | {t / step:.2f} |")
-    t = timed(lambda: recorded_layer(32), lambda layer: layer.crop(0), reps)
-    rows.append(f"| crop(0) commit | 32 recorded steps | {t * 1e6:.0f} | {t / step:.2f} |")
-    for j in (1, 4):
-        t = timed(lambda: recorded_layer(0, verify_tokens=8), lambda layer, j=j: layer.crop(-j), reps)
-        rows.append(f"| crop(-{j}) inside | one 8-token verify step | {t * 1e6:.0f} | {t / step:.2f} |")
+    for what, where, t in crops:
+        rows.append(f"| {what} | {where} | {t.median * 1e6:.0f} | {t.median / step.median:.2f} |")
     return rows
 
 
