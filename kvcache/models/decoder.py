@@ -56,16 +56,8 @@ class DecoderBlock(nn.Module):
 
     def __init__(self, config: DecoderConfig, layer_idx: int) -> None:
         super().__init__()
-        sliding = config.layer_types[layer_idx] == "sliding_attention"
         self.attn_norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.attn = SelfAttention(
-            config.hidden_size,
-            config.num_heads,
-            config.num_kv_heads,
-            layer_idx,
-            sliding_window=config.sliding_window if sliding else None,
-            rope_theta=config.rope_theta,
-        )
+        self.attn = SelfAttention.for_layer(config, layer_idx, config.layer_types[layer_idx])
         self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
 

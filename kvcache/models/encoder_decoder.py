@@ -96,14 +96,7 @@ class EncoderBlock(nn.Module):
     def __init__(self, config: EncoderDecoderConfig, layer_idx: int) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.attn = SelfAttention(
-            config.hidden_size,
-            config.num_heads,
-            config.num_kv_heads,
-            layer_idx,
-            rope_theta=config.rope_theta,
-            causal=False,
-        )
+        self.attn = SelfAttention.for_layer(config, layer_idx, "full_attention", causal=False)
         self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
@@ -117,16 +110,8 @@ class DecoderBlock(nn.Module):
 
     def __init__(self, config: EncoderDecoderConfig, layer_idx: int) -> None:
         super().__init__()
-        sliding = config.decoder_layer_types[layer_idx] == "sliding_attention"
         self.self_norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.self_attn = SelfAttention(
-            config.hidden_size,
-            config.num_heads,
-            config.num_kv_heads,
-            layer_idx,
-            sliding_window=config.sliding_window if sliding else None,
-            rope_theta=config.rope_theta,
-        )
+        self.self_attn = SelfAttention.for_layer(config, layer_idx, config.decoder_layer_types[layer_idx])
         self.cross_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.cross_attn = CrossAttention(config.hidden_size, config.num_heads, config.num_kv_heads, layer_idx)
         self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)

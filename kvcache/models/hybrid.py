@@ -161,14 +161,7 @@ class HybridBlock(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.attn = None
         if kind != "linear_attention":
-            self.attn = SelfAttention(
-                config.hidden_size,
-                config.num_heads,
-                config.num_kv_heads,
-                layer_idx,
-                sliding_window=config.sliding_window if kind == "sliding_attention" else None,
-                rope_theta=config.rope_theta,
-            )
+            self.attn = SelfAttention.for_layer(config, layer_idx, kind)
         self.recurrent = GatedLinearRecurrence(config, layer_idx) if kind in ("linear_attention", "hybrid") else None
         self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = MLP(config.hidden_size, config.intermediate_size)

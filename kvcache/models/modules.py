@@ -10,6 +10,7 @@ returns only its window therefore gets the right columns of the padding mask.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -182,6 +183,16 @@ class SelfAttention(nn.Module):
         self.k_proj = nn.Linear(dim, num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(dim, num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * self.head_dim, dim, bias=False)
+
+    @classmethod
+    def for_layer(cls, config: Any, layer_idx: int, layer_type: str, *, causal: bool = True) -> SelfAttention:
+        """The attention of layer `layer_idx` of a model `config` (hidden_size, num_heads, num_kv_heads,
+        rope_theta, sliding_window); a "sliding_attention" layer gets the window."""
+        window = config.sliding_window if layer_type == "sliding_attention" else None
+        return cls(
+            config.hidden_size, config.num_heads, config.num_kv_heads, layer_idx,
+            sliding_window=window, rope_theta=config.rope_theta, causal=causal,
+        )  # fmt: skip
 
     def forward(
         self,
