@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 
 SLOW = os.environ.get("KVCACHE_SLOW") == "1"
@@ -43,3 +44,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip_slow)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Run a module's tiny models on one torch thread (faster, and a shared machine stays responsive);
+    modules opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

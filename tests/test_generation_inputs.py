@@ -25,13 +25,7 @@ from kvcache.models import (
 VOCAB = 20
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one thread (and a shared machine stays responsive)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _decoder(**overrides) -> DecoderLM:

@@ -40,13 +40,7 @@ DECODE_STEPS = 20
 ATOL = 1e-5  # measured difference on CPU: 0 (every comparison below is bitwise equal in practice)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Any:
-    """Tiny models run 5-20x faster on one thread than on contended intra-op threads."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _config(kind: str) -> Any:

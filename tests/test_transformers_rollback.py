@@ -30,13 +30,7 @@ from kvcache.encoder_decoder import EncoderDecoderCache
 from kvcache.integrations.transformers import cache_from_config
 from kvcache.persistence import load_cache, save_cache
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def contents(cache: Any) -> dict[str, Any]:

@@ -10,8 +10,7 @@ import torch
 from torch import nn
 
 from ..cache import Cache, DynamicCache
-from ..errors import CacheInputError
-from .modules import MLP, RMSNorm, SelfAttention, check_inputs, default_position_ids, init_weights
+from .modules import MLP, RMSNorm, SelfAttention, check_inputs, check_layer_types, default_position_ids, init_weights
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 
@@ -33,11 +32,7 @@ class DecoderConfig:
     tie_word_embeddings: bool = True
 
     def __post_init__(self) -> None:
-        unknown = [t for t in self.layer_types if t not in ATTENTION_TYPES]
-        if unknown or not self.layer_types:
-            raise CacheInputError(f"layer_types must be a non-empty list of {ATTENTION_TYPES}, got {self.layer_types}")
-        if "sliding_attention" in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
-            raise CacheInputError(f"sliding layers need a positive sliding_window, got {self.sliding_window!r}")
+        check_layer_types("layer_types", self.layer_types, ATTENTION_TYPES, self.sliding_window)
 
     @property
     def num_layers(self) -> int:

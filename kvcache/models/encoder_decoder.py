@@ -18,7 +18,16 @@ from torch import nn
 from ..cache import DynamicCache
 from ..errors import CacheInputError
 from .decoder import ATTENTION_TYPES
-from .modules import MLP, RMSNorm, SelfAttention, attend, check_inputs, default_position_ids, init_weights
+from .modules import (
+    MLP,
+    RMSNorm,
+    SelfAttention,
+    attend,
+    check_inputs,
+    check_layer_types,
+    default_position_ids,
+    init_weights,
+)
 
 
 @dataclass
@@ -38,11 +47,7 @@ class EncoderDecoderConfig:
     norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
-        unknown = [t for t in self.decoder_layer_types if t not in ATTENTION_TYPES]
-        if unknown or not self.decoder_layer_types:
-            raise CacheInputError(f"decoder_layer_types must be a non-empty list of {ATTENTION_TYPES}")
-        if "sliding_attention" in self.decoder_layer_types and (self.sliding_window or 0) < 1:
-            raise CacheInputError(f"sliding layers need a positive sliding_window, got {self.sliding_window!r}")
+        check_layer_types("decoder_layer_types", self.decoder_layer_types, ATTENTION_TYPES, self.sliding_window)
         if not 0 <= self.decoder_start_token_id < self.vocab_size:
             raise CacheInputError(f"decoder_start_token_id {self.decoder_start_token_id} is outside the vocabulary")
 

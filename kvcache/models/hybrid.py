@@ -22,9 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import Cache
-from ..errors import CacheInputError
 from .decoder import DecoderLM
-from .modules import MLP, RMSNorm, SelfAttention
+from .modules import MLP, RMSNorm, SelfAttention, check_layer_types
 
 HYBRID_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "hybrid")
 
@@ -53,13 +52,7 @@ class HybridConfig:
     tie_word_embeddings: bool = True
 
     def __post_init__(self) -> None:
-        unknown = [t for t in self.layer_types if t not in HYBRID_LAYER_TYPES]
-        if unknown or not self.layer_types:
-            raise CacheInputError(
-                f"layer_types must be a non-empty list of {HYBRID_LAYER_TYPES}, got {self.layer_types}"
-            )
-        if "sliding_attention" in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
-            raise CacheInputError(f"sliding layers need a positive sliding_window, got {self.sliding_window!r}")
+        check_layer_types("layer_types", self.layer_types, HYBRID_LAYER_TYPES, self.sliding_window)
 
     @property
     def num_layers(self) -> int:

@@ -72,6 +72,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+def check_layer_types(name: str, layer_types: list[str], allowed: tuple[str, ...], sliding_window: int | None) -> None:
+    """Reject a model config whose `layer_types` are empty or unknown, or whose sliding layers lack a window."""
+    if not layer_types or any(t not in allowed for t in layer_types):
+        raise CacheInputError(f"{name} must be a non-empty list of {allowed}, got {layer_types}")
+    if "sliding_attention" in layer_types and (sliding_window is None or sliding_window < 1):
+        raise CacheInputError(f"sliding layers need a positive sliding_window, got {sliding_window!r}")
+
+
 def check_inputs(
     input_ids: torch.Tensor,
     vocab_size: int,
