@@ -46,11 +46,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_slow)
 
 
+#: KVCACHE_TEST_THREADS=N runs the whole suite on N torch threads (CI runs it with 1 and with 2:
+#: every exactness claim must hold for both, and every tolerance was measured under both).
+TEST_THREADS = int(os.environ["KVCACHE_TEST_THREADS"]) if os.environ.get("KVCACHE_TEST_THREADS") else None
+if TEST_THREADS is not None:
+    torch.set_num_threads(TEST_THREADS)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Run a module's tiny models on one torch thread (faster, and a shared machine stays responsive);
-    modules opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    modules opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`. Under
+    KVCACHE_TEST_THREADS the suite-wide thread count wins."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(TEST_THREADS or 1)
     yield
     torch.set_num_threads(threads)

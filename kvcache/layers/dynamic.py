@@ -66,10 +66,14 @@ class DynamicLayer(CacheLayer):
 
     @property
     def batch_size(self) -> int | None:
-        return None if self._kv.keys is None else self._kv.keys.shape[0]
+        return None if self._kv.keys is None else self._kv.keys.shape[1]
 
     def _index_batch(self, index: torch.Tensor) -> None:
         self._kv.index_batch(index)
+
+    def copy(self) -> Self:
+        """An independent copy (`from_state` copies the tensors into fresh storage with headroom)."""
+        return type(self).from_state(self.meta_state, self.state)
 
     def nbytes(self) -> int:
         """Bytes of storage held, spare capacity included."""
@@ -96,7 +100,7 @@ class DynamicLayer(CacheLayer):
             raise CacheInputError(f"{type(self).__name__}: expected tensors 'keys' and 'values', got {sorted(state)}")
         keys, values = state["keys"], state["values"]
         check_loaded_pair(keys, values, kept, type(self).__name__)
-        self._kv = KVBuffer.from_tensors(keys, values)
+        self._kv = KVBuffer.from_tensors(keys, values)  # a copy: the layer never aliases what it was given
 
     @classmethod
     def from_state(cls, meta_state: dict[str, Any], state: dict[str, torch.Tensor]) -> Self:

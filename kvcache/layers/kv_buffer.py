@@ -1,4 +1,11 @@
-"""A growable keys/values store: amortized appends, O(1) crops, views handed out."""
+"""A growable keys/values store: amortized appends, O(1) crops, views handed out.
+
+Storage is sequence-major, `[capacity, batch, kv_heads, head_dim]`, and what the layer hands out
+is a permuted view `[batch, kv_heads, seq, head_dim]` of its live rows. The strides of that view
+are `(kv_heads * head_dim, head_dim, batch * kv_heads * head_dim, 1)` whatever the capacity, so
+attention kernels see the same layout (and take the same path) for a cache that was grown, loaded,
+copied, batch-indexed or committed: spare capacity is invisible to the computation.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +14,19 @@ import torch
 from ..errors import CacheInputError
 
 #: Storage capacity is allocated in multiples of this many tokens.
-CAPACITY_BLOCK = 256
+CAPACITY_BLOCK = 64
+#: A (re)allocation for `n` live tokens reserves room for `n * GROWTH` (rounded up to a block), so
+#: appends are amortized O(new tokens) while storage stays within 1.25x of the live tokens plus a block.
+GROWTH = 1.25
+#: A window whose dropped front holds at least 1/MAX_SLIDE_CHUNKS of its live rows slides down in
+#: place (that many non-overlapping copies) rather than reallocating.
+MAX_SLIDE_CHUNKS = 8
 
 
-def _round_up(n: int, block: int = CAPACITY_BLOCK) -> int:
-    return max(block, -(-n // block) * block)
+def capacity_for(n: int) -> int:
+    """Storage rows to allocate for `n` live tokens: headroom for appends, rounded to a block."""
+    want = int(n * GROWTH) + 1
+    return -(-want // CAPACITY_BLOCK) * CAPACITY_BLOCK
 
 
 def check_kv_pair(key_states: torch.Tensor, value_states: torch.Tensor, who: str) -> None:
@@ -37,22 +52,31 @@ def check_kv_pair(key_states: torch.Tensor, value_states: torch.Tensor, who: str
         )
 
 
-def check_matches(held: torch.Tensor, new: torch.Tensor, name: str, who: str) -> None:
-    """Reject `new` unless it fits next to `held` along the sequence axis (all but dim 2 equal)."""
+def check_matches(held: tuple[int, int, int], dtype: torch.dtype, device: torch.device, new: torch.Tensor,
+                  name: str, who: str) -> None:  # fmt: skip
+    """Reject `new` unless its batch, heads, head_dim, dtype and device are `held`'s."""
     problems = []
-    for dim, label in ((0, "batch"), (1, "kv_heads"), (3, "head_dim")):
-        if held.shape[dim] != new.shape[dim]:
-            problems.append(f"{label} {new.shape[dim]} != {held.shape[dim]}")
-    if held.dtype != new.dtype:
-        problems.append(f"dtype {new.dtype} != {held.dtype}")
-    if held.device != new.device:
-        problems.append(f"device {new.device} != {held.device}")
+    for dim, label, size in zip((0, 1, 3), ("batch", "kv_heads", "head_dim"), held, strict=True):
+        if new.shape[dim] != size:
+            problems.append(f"{label} {new.shape[dim]} != {size}")
+    if new.dtype != dtype:
+        problems.append(f"dtype {new.dtype} != {dtype}")
+    if new.device != device:
+        problems.append(f"device {new.device} != {device}")
     if problems:
         raise CacheInputError(f"{who}.update: new {name} do not match the cached ones: " + ", ".join(problems))
 
 
+def _seq_major(t: torch.Tensor) -> torch.Tensor:
+    return t.permute(2, 0, 1, 3)
+
+
+def _batch_major(t: torch.Tensor) -> torch.Tensor:
+    return t.permute(1, 2, 0, 3)
+
+
 class KVBuffer:
-    """Keys and values with a live window `[start, end)` inside larger storage along the sequence axis.
+    """Keys and values with a live window `[start, end)` of rows inside larger sequence-major storage.
 
     Appends write into spare capacity and only reallocate (geometrically) when it runs out, so a
     decode step costs the size of the new tokens, not of the cache. Dropping tokens at either end
@@ -63,16 +87,17 @@ class KVBuffer:
     __slots__ = ("end", "keys", "start", "values")
 
     def __init__(self) -> None:
-        self.keys: torch.Tensor | None = None
+        self.keys: torch.Tensor | None = None  # [capacity, batch, kv_heads, head_dim]
         self.values: torch.Tensor | None = None
         self.start = 0
         self.end = 0
 
     @classmethod
     def from_tensors(cls, keys: torch.Tensor, values: torch.Tensor) -> KVBuffer:
-        """A buffer holding exactly `keys`/`values` (taken over, not copied)."""
+        """A buffer holding a copy of `[batch, heads, seq, dim]` `keys`/`values`, with the headroom a
+        grown buffer has (so the next append costs what a steady append costs)."""
         buf = cls()
-        buf.keys, buf.values, buf.end = keys, values, keys.shape[2]
+        buf._adopt(_seq_major(keys), _seq_major(values))
         return buf
 
     def __len__(self) -> int:
@@ -80,13 +105,13 @@ class KVBuffer:
 
     @property
     def capacity(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
+        return 0 if self.keys is None else self.keys.shape[0]
 
     def tail(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of the last `n` live tokens."""
+        """Views `[batch, heads, n, dim]` of the last `n` live tokens."""
         assert self.keys is not None and self.values is not None
         lo = self.end - n
-        return self.keys[:, :, lo : self.end], self.values[:, :, lo : self.end]
+        return _batch_major(self.keys[lo : self.end]), _batch_major(self.values[lo : self.end])
 
     def live(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of all live tokens, oldest first."""
@@ -96,44 +121,54 @@ class KVBuffer:
         """Raise `CacheInputError` unless the pair can be appended."""
         check_kv_pair(key_states, value_states, who)
         if self.keys is not None and self.values is not None:
-            check_matches(self.keys, key_states, "keys", who)
-            check_matches(self.values, value_states, "values", who)
+            keys, values = self.keys, self.values
+            check_matches(tuple(keys.shape[1:]), keys.dtype, keys.device, key_states, "keys", who)  # type: ignore[arg-type]
+            check_matches(tuple(values.shape[1:]), values.dtype, values.device, value_states, "values", who)  # type: ignore[arg-type]
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Write new tokens after the live window (call `check` first)."""
         n = key_states.shape[2]
         self._reserve(n, key_states, value_states)
         assert self.keys is not None and self.values is not None
-        self.keys[:, :, self.end : self.end + n].copy_(key_states)
-        self.values[:, :, self.end : self.end + n].copy_(value_states)
+        self.keys[self.end : self.end + n].copy_(_seq_major(key_states))
+        self.values[self.end : self.end + n].copy_(_seq_major(value_states))
         self.end += n
 
     def _reserve(self, n: int, key_like: torch.Tensor, value_like: torch.Tensor) -> None:
         if self.keys is None or self.values is None:
-            cap = _round_up(n)
-            self.keys = key_like.new_empty(*key_like.shape[:2], cap, key_like.shape[3])
-            self.values = value_like.new_empty(*value_like.shape[:2], cap, value_like.shape[3])
+            cap = capacity_for(n)
+            self.keys = key_like.new_empty(cap, *key_like.shape[:2], key_like.shape[3])
+            self.values = value_like.new_empty(cap, *value_like.shape[:2], value_like.shape[3])
+            self.start = self.end = 0
             return
         if self.end + n <= self.capacity:
             return
         live = len(self)
-        if live + n <= self.capacity and self.start >= live:
-            # Room at the front and no overlap: slide the live window down instead of allocating.
-            self.keys[:, :, :live].copy_(self.keys[:, :, self.start : self.end])
-            self.values[:, :, :live].copy_(self.values[:, :, self.start : self.end])
+        if live + n <= self.capacity and self.start * MAX_SLIDE_CHUNKS >= live:
+            self._slide_to_front()
         else:
-            self._reallocate(_round_up(2 * (live + n)))
-            return
+            self._adopt(self.keys[self.start : self.end], self.values[self.start : self.end], extra=n)
+
+    def _slide_to_front(self) -> None:
+        """Move the live rows to row 0 in place (a sliding window that reached the end of its storage).
+        Chunks of `start` rows never overlap their destination, so each is one plain copy."""
+        assert self.keys is not None and self.values is not None
+        live, step = len(self), self.start
+        for lo in range(0, live, step):
+            hi = min(lo + step, live)
+            self.keys[lo:hi].copy_(self.keys[self.start + lo : self.start + hi])
+            self.values[lo:hi].copy_(self.values[self.start + lo : self.start + hi])
         self.start, self.end = 0, live
 
-    def _reallocate(self, capacity: int) -> None:
-        assert self.keys is not None and self.values is not None
-        live = len(self)
-        keys = self.keys.new_empty(*self.keys.shape[:2], capacity, self.keys.shape[3])
-        values = self.values.new_empty(*self.values.shape[:2], capacity, self.values.shape[3])
-        keys[:, :, :live].copy_(self.keys[:, :, self.start : self.end])
-        values[:, :, :live].copy_(self.values[:, :, self.start : self.end])
-        self.keys, self.values, self.start, self.end = keys, values, 0, live
+    def _adopt(self, keys: torch.Tensor, values: torch.Tensor, extra: int = 0) -> None:
+        """Fresh storage holding copies of sequence-major `keys`/`values`, sized for `extra` more."""
+        live = keys.shape[0]
+        cap = capacity_for(live + extra)
+        new_keys = keys.new_empty(cap, *keys.shape[1:])
+        new_values = values.new_empty(cap, *values.shape[1:])
+        new_keys[:live].copy_(keys)
+        new_values[:live].copy_(values)
+        self.keys, self.values, self.start, self.end = new_keys, new_values, 0, live
 
     def drop_last(self, n: int) -> None:
         self.end -= n
@@ -144,18 +179,18 @@ class KVBuffer:
 
     def shrink(self) -> None:
         """Give back storage when far more is held than the live tokens need (after a big crop or
-        a long prefill into a window). Keeps 2x headroom so it never alternates with a regrowth."""
-        if self.keys is not None and self.capacity > 4 * _round_up(len(self)):
-            self._reallocate(_round_up(2 * len(self)))
+        a long prefill into a window). The threshold (2x of a fresh allocation) leaves room so it
+        never alternates with a regrowth."""
+        if self.keys is not None and self.values is not None and self.capacity > 2 * capacity_for(len(self)):
+            self._adopt(self.keys[self.start : self.end], self.values[self.start : self.end])
 
     def index_batch(self, index: torch.Tensor) -> None:
-        """Replace the batch dimension by `live[index]` (fresh storage)."""
+        """Replace the batch dimension by `live[index]` (fresh storage, with headroom)."""
         if self.keys is None or self.values is None:
             return
-        keys, values = self.live()
-        index = index.to(keys.device)
-        self.keys, self.values = keys.index_select(0, index), values.index_select(0, index)
-        self.start, self.end = 0, self.keys.shape[2]
+        index = index.to(self.keys.device)
+        live_keys, live_values = self.keys[self.start : self.end], self.values[self.start : self.end]
+        self._adopt(live_keys.index_select(1, index), live_values.index_select(1, index))
 
     def nbytes(self) -> int:
         """Bytes of storage held (capacity, not just live tokens)."""

@@ -266,7 +266,7 @@ class RecurrentLayer(CacheLayer):
             slot.steps.append(_Step(tokens=n, conv_tokens=n, before=before))
             returned = self._append_conv(slot, conv_states, kernel)
         elif slot.conv is None:
-            returned = conv_states
+            returned = conv_states.contiguous()  # the same layout the recording path returns
             if n < kernel:
                 returned = torch.nn.functional.pad(conv_states, (kernel - n, 0))
             slot.conv, slot.kernel, slot.conv_end = returned[..., -kernel:].clone(), kernel, kernel
@@ -294,7 +294,9 @@ class RecurrentLayer(CacheLayer):
         slot.conv[..., slot.conv_end : need] = inputs  # type: ignore[index]
         slot.conv_end = need
         width = max(kernel, n) if first else kernel + n
-        return slot.conv[..., need - width : need]  # type: ignore[index]
+        # a fresh contiguous tensor, as the not-recording path returns: the conv must not see the
+        # history buffer's capacity in its strides (it would change the kernel path, and the bits)
+        return slot.conv[..., need - width : need].clone(memory_format=torch.contiguous_format)  # type: ignore[index]
 
     def get_conv_state(self, state_idx: int = 0) -> torch.Tensor | None:
         """The held conv window `[batch, channels, kernel]`, None before the first conv update."""

@@ -67,8 +67,8 @@ class StaticLayer(CacheLayer):
         who = type(self).__name__
         check_kv_pair(key_states, value_states, who)
         if self.keys is not None and self.values is not None:
-            check_matches(self.keys, key_states, "keys", who)
-            check_matches(self.values, value_states, "values", who)
+            for held, new, name in ((self.keys, key_states, "keys"), (self.values, value_states, "values")):
+                check_matches((held.shape[0], held.shape[1], held.shape[3]), held.dtype, held.device, new, name, who)
         n = key_states.shape[2]
         if torch.compiler.is_compiling():
             return self._update_compiled(key_states, value_states)
