@@ -1,7 +1,8 @@
 """Damaged, tampered and foreign files: every one raises `CacheFormatError` saying what is wrong.
 
-Edits to the kvcache description are written with a recomputed SHA-256, so they reach the
-validation behind the checksum (a forger, or a bug in another writer, can do the same).
+Edits to the kvcache description are written with a recomputed SHA-256 and a recomputed xxh3 file
+digest, so they reach the validation behind the checksums (a forger, or a bug in another writer,
+can do the same: neither is keyed; `test_persistence_integrity` covers the keyed MAC).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from kvcache import (
 )
 from kvcache.persistence.composite import describe_cache
 from kvcache.persistence.header import _digest
+from kvcache.persistence.integrity import DIGEST_TENSOR, FileDigest
 
 
 def _grow(cache: Any, layers: int, steps: int = 3) -> Any:
@@ -78,9 +80,20 @@ def split(data: bytes) -> tuple[dict[str, Any], bytes]:
 
 
 def join(header: dict[str, Any], body: bytes) -> bytes:
+    """A file of `header` and `body`, its whole-file digest (if it has one) recomputed."""
     encoded = json.dumps(header).encode()
     encoded += b" " * (-len(encoded) % 8)
-    return struct.pack("<Q", len(encoded)) + encoded + body
+    data = struct.pack("<Q", len(encoded)) + encoded + body
+    entry = header.get(DIGEST_TENSOR)
+    if isinstance(entry, dict) and entry.get("data_offsets") == [len(body) - 16, len(body)]:
+        digest = FileDigest(None)
+        digest.update(data[:-16])
+        data = data[:-16] + digest.digest()
+    return data
+
+
+def header_digest(meta: dict[str, str]) -> str:
+    return _digest(meta["format_version"], meta["cache"], meta["user"], meta.get("integrity"))
 
 
 def edit_description(path: Path, edit: Callable[[dict[str, Any]], Any], *, redigest: bool = True) -> None:
@@ -92,7 +105,7 @@ def edit_description(path: Path, edit: Callable[[dict[str, Any]], Any], *, redig
     result = edit(description)
     meta["cache"] = json.dumps(result.value if isinstance(result, Replacement) else description)
     if redigest:
-        meta["sha256"] = _digest(meta["format_version"], meta["cache"], meta["user"])
+        meta["sha256"] = header_digest(meta)
     path.write_bytes(join(header, body))
 
 
@@ -107,7 +120,7 @@ def edit_header(path: Path, edit: Callable[[dict[str, Any]], None], *, redigest:
     edit(header)
     meta = header.get("__metadata__", {})
     if redigest and {"cache", "user", "format_version"} <= set(meta):
-        meta["sha256"] = _digest(meta["format_version"], meta["cache"], meta["user"])
+        meta["sha256"] = header_digest(meta)
     path.write_bytes(join(header, body))
 
 
@@ -221,7 +234,7 @@ def _set_meta(key: str, value: str | None) -> Callable[[dict[str, Any]], None]:
 @pytest.mark.parametrize(
     ("edit", "match"),
     [
-        (_set_meta("format_version", "2"), "newer"),
+        (_set_meta("format_version", "3"), "newer"),
         (_set_meta("format_version", "999999999999999999999"), "newer"),
         (_set_meta("format_version", "1.0"), "not a version"),
         (_set_meta("format_version", "0"), "does not exist"),

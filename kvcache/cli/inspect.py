@@ -67,6 +67,8 @@ def summarize(loaded: CacheFile, path: str) -> dict[str, Any]:
         part_summaries.append({**summary, "layers": layers})
     out = {
         "path": path,
+        "format_version": loaded.version,
+        "integrity": loaded.integrity,
         "cache_class": desc["class"],
         "parts": part_summaries,
         "num_tensors": num_tensors,
@@ -94,6 +96,7 @@ def _short(value: Any, width: int = 100) -> str:
 def format_summary(summary: dict[str, Any]) -> str:
     """The human-readable table `kvcache inspect` prints."""
     lines = [f"{summary['path']}: {summary['cache_class']}"]
+    lines.append(f"  format version {summary['format_version']}, verified: {summary['integrity'] or 'header only'}")
     if "is_updated" in summary:
         lines.append(f"  is_updated: {_short(summary['is_updated'])}")
     for part in summary["parts"]:

@@ -180,6 +180,12 @@ class CacheLayer(ABC):
     def from_state(cls, meta_state: dict[str, Any], state: dict[str, torch.Tensor]) -> Self:
         """Rebuild a layer from `meta_state` and `state`; raise `CacheInputError` when they disagree."""
 
+    @classmethod
+    def planned_nbytes(cls, meta_state: dict[str, Any], state: dict[str, torch.Tensor]) -> int:
+        """Bytes `from_state(meta_state, state)` will allocate beyond copies of `state` (a loader
+        bounds this before building, so a small file cannot ask for huge buffers)."""
+        return 0
+
     def copy(self) -> Self:
         """An independent copy that shares no mutable tensor with this layer."""
         return type(self).from_state(self.meta_state, {k: v.clone() for k, v in self.state.items()})

@@ -153,6 +153,14 @@ class StaticLayer(CacheLayer):
         return {"max_cache_len": self.max_cache_len, "seq_length": self._length, "record_past": self._recording}
 
     @classmethod
+    def planned_nbytes(cls, meta_state: dict[str, Any], state: dict[str, torch.Tensor]) -> int:
+        keys, values, max_len = state.get("keys"), state.get("values"), meta_state.get("max_cache_len")
+        if keys is None or values is None or keys.dim() != 4 or values.dim() != 4 or type(max_len) is not int:
+            return 0  # from_state refuses these
+        row = sum(t.shape[0] * t.shape[1] * t.shape[3] * t.element_size() for t in (keys, values))
+        return max(max_len, 0) * row
+
+    @classmethod
     def from_state(cls, meta_state: dict[str, Any], state: dict[str, torch.Tensor]) -> Self:
         name = cls.__name__
         layer = cls(meta_state.get("max_cache_len"))  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""Saving and loading caches as one `.safetensors` file (SPEC section 7).
+"""Saving and loading caches as one `.safetensors` file (format: docs/persistence.md).
 
 `save_cache` writes the tensors of every layer plus string metadata: the format name and version,
 a JSON description of the cache (composite class, per layer its class, `meta_state` and tensor
@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from ..errors import CacheFormatError, CacheInputError
 from .composite import build_cache, composite_kinds, describe_cache
 from .header import FORMAT_VERSION, encode_user_metadata, make_header, parse_header
+from .integrity import DIGEST_BYTES, DIGEST_TENSOR, KEYED, FileDigest, check_key
+from .reader import FileReader, LoadedTensors, default_budget
 from .writer import atomic_write, write_safetensors
 
 __all__ = ["FORMAT_VERSION", "CacheFile", "composite_kinds", "inspect_cache_file", "load_cache", "save_cache"]
@@ -31,58 +32,34 @@ def _as_path(path: Any) -> Path:
 
 
 def save_cache(
-    cache: Any, path: str | os.PathLike[str], *, metadata: dict[str, Any] | None = None, fsync: bool = True
+    cache: Any,
+    path: str | os.PathLike[str],
+    *,
+    metadata: dict[str, Any] | None = None,
+    fsync: bool = True,
+    key: bytes | None = None,
 ) -> None:
     """Save `cache` (any allow-listed composite, any registered layers) to `path` atomically.
 
     `metadata`: a dict of str -> JSON values (model name, prompt tokens ...) stored with the cache.
     Everything is validated before the disk is touched; the file is written to a temporary file in
     the same directory, flushed to disk and renamed, so a failed save leaves an earlier file at
-    `path` byte-identical and no temporary file behind. `fsync=False` skips the flush to the
+    `path` byte-identical and no temporary file behind (temporary files of killed saves are
+    removed by a later save to the same directory). Every byte of the file is covered by an xxh3
+    digest that `load_cache` checks; with `key` (bytes, at least 16) an HMAC-SHA256 too, which
+    `load_cache(..., key=key)` checks for tamper evidence. `fsync=False` skips the flush to the
     device: still atomic for the processes reading the file, faster, but a power loss right after
     the save may lose it.
     """
     target = _as_path(path)
+    mac_key = check_key(key)
     user_json = encode_user_metadata(metadata)
     description, tensors = describe_cache(cache)
-    header = make_header(description, user_json)
+    digest = FileDigest(mac_key)
+    header = make_header(description, user_json, digest.scheme)
     if target.is_dir():
         raise CacheInputError(f"{target} is a directory")
-    atomic_write(target, lambda file: write_safetensors(file, tensors, header), fsync=fsync)
-
-
-class _FileTensors:
-    """Tensors of an open safetensors file, handed out once each after checking dtype and shape."""
-
-    def __init__(self, handle: Any) -> None:
-        self._handle = handle
-        self.specs: dict[str, tuple[str, list[int]]] = {}
-        for name in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
-            view = handle.get_slice(name)
-            self.specs[name] = (view.get_dtype(), list(view.get_shape()))
-        self._taken: set[str] = set()
-
-    def take(self, name: str, dtype: str, shape: list[int], where: str) -> torch.Tensor:
-        if name not in self.specs:
-            raise CacheFormatError(f"{where}: tensor {name!r} is missing from the file")
-        if name in self._taken:
-            raise CacheFormatError(f"{where}: tensor {name!r} is used twice")
-        file_dtype, file_shape = self.specs[name]
-        if (file_dtype, file_shape) != (dtype, shape):
-            raise CacheFormatError(
-                f"{where}: tensor {name!r} is {file_dtype}{file_shape} in the file but the description "
-                f"says {dtype}{shape}"[:400]
-            )
-        self._taken.add(name)
-        try:
-            return self._handle.get_tensor(name)
-        except Exception as err:  # safetensors' own errors (damaged data region)
-            raise CacheFormatError(f"{where}: cannot read tensor {name!r}: {err}") from err
-
-    def check_all_taken(self) -> None:
-        unused = sorted(set(self.specs) - self._taken)
-        if unused:
-            raise CacheFormatError(f"the file holds tensors no layer describes: {unused[:5]}")
+    atomic_write(target, lambda file: write_safetensors(file, tensors, header, digest), fsync=fsync)
 
 
 def _check_device(device: Any) -> str:
@@ -91,65 +68,86 @@ def _check_device(device: Any) -> str:
     try:
         device = torch.device(device)
         torch.empty(0, device=device)
-    except (RuntimeError, TypeError, AssertionError) as err:
+    except (RuntimeError, TypeError, AssertionError, ValueError) as err:
         raise CacheInputError(f"cannot load onto device {device!r}: {err}") from None
     return str(device)
 
 
 class CacheFile:
-    """A loaded kvcache file: the cache, the user metadata, the description and tensor specs."""
+    """A loaded kvcache file: the cache, the user metadata, the description, tensor specs and the
+    header's format version and digest scheme."""
 
-    def __init__(self, cache: Any, metadata: dict[str, Any], description: dict[str, Any], specs: dict[str, Any]):
+    def __init__(self, cache: Any, metadata: dict[str, Any], description: dict[str, Any], specs: dict[str, Any],
+                 version: int = FORMAT_VERSION, integrity: str | None = None):  # fmt: skip
         self.cache = cache
         self.metadata = metadata
         self.description = description
         #: tensor name -> (safetensors dtype, shape), in file order
         self.specs = specs
+        self.version = version
+        self.integrity = integrity
 
 
-def _read(path: Any, device: Any) -> CacheFile:
+def _read(path: Any, device: Any, *, verify: bool = True, key: Any = None, max_alloc_bytes: Any = None) -> CacheFile:
     target = _as_path(path)
     where = _check_device(device)
-    with open(target, "rb"):  # a missing or unreadable file is an OSError, not a format error
-        pass
-    try:
-        return _read_checked(target, where)
-    except CacheFormatError as err:
-        raise CacheFormatError(f"{target}: {err}") from err.__cause__
-
-
-def _read_checked(target: Path, device: str) -> CacheFile:
-    try:
-        handle = safe_open(target, framework="pt", device=device)
-    except Exception as err:  # SafetensorError and friends: truncated, damaged header ...
-        raise CacheFormatError(f"not a valid safetensors file: {err}") from None
-    with handle as opened:
+    mac_key = check_key(key)
+    if max_alloc_bytes is not None and (isinstance(max_alloc_bytes, bool) or not isinstance(max_alloc_bytes, int)
+                                        or max_alloc_bytes < 0):  # fmt: skip
+        raise CacheInputError(f"max_alloc_bytes must be a non-negative int or None, got {max_alloc_bytes!r}")
+    if not isinstance(verify, bool):
+        raise CacheInputError(f"verify must be a bool, got {verify!r}")
+    with open(target, "rb") as file:  # a missing or unreadable file is an OSError, not a format error
         try:
-            raw_metadata = opened.metadata()
-            tensors = _FileTensors(opened)
-        except Exception as err:
-            raise CacheFormatError(f"not a valid safetensors file: {err}") from None
-        description, user = parse_header(raw_metadata)
-        cache = build_cache(description, tensors)
-        tensors.check_all_taken()
-    return CacheFile(cache, user, description, tensors.specs)
+            return _read_checked(file, where, verify, mac_key, max_alloc_bytes)
+        except CacheFormatError as err:
+            raise CacheFormatError(f"{target}: {err}") from err.__cause__
+
+
+def _read_checked(file: Any, device: str, verify: bool, key: bytes | None, max_alloc_bytes: int | None) -> CacheFile:
+    reader = FileReader(file)
+    header = parse_header(reader.metadata, tuple(DIGEST_BYTES))
+    if key is not None and header.integrity != KEYED:
+        raise CacheFormatError("a key was given but the file carries no MAC (saved without key=)")
+    if verify and header.integrity is None:
+        raise CacheFormatError(
+            f"format version {header.version} has no file digest, so its data cannot be verified; "
+            "load it with verify=False to accept it unverified (and save it again to add one)"
+        )
+    tensors = reader.read_all(header.integrity, key, verify)
+    specs = {e.name: (e.dtype, e.shape) for e in reader.entries if e.name != DIGEST_TENSOR}
+    budget = default_budget(reader.file_size) if max_alloc_bytes is None else max_alloc_bytes
+    source = LoadedTensors(tensors, specs, device, budget)
+    cache = build_cache(header.description, source)
+    source.check_all_taken()
+    return CacheFile(cache, header.user, header.description, specs, header.version, header.integrity)
 
 
 def load_cache(
-    path: str | os.PathLike[str], *, device: str | torch.device | None = None, return_metadata: bool = False
+    path: str | os.PathLike[str],
+    *,
+    device: str | torch.device | None = None,
+    return_metadata: bool = False,
+    verify: bool = True,
+    key: bytes | None = None,
+    max_alloc_bytes: int | None = None,
 ) -> Any:
     """Load a cache saved by `save_cache`, its tensors on `device` (default CPU).
 
-    Tensors come from safetensors' zero-copy (memory-mapped, copy-on-write) path and become the
-    layers' storage directly, so the data is not held twice (a `StaticLayer` copies its tokens
-    into its preallocated buffer, layer by layer, and drops the mapping). Writes to a loaded cache
-    never reach the file. Returns the cache, or `(cache, metadata)` with
-    `return_metadata=True`. Raises `CacheFormatError` for a file that is not a valid kvcache file.
+    The file is read once, front to back, into memory the cache owns (no memory map: a loaded cache
+    never changes when its file does), and by default every byte is checked against the file's
+    xxh3 digest before the cache is built. `verify=False` skips that check (the header's own
+    SHA-256 is still checked): faster, for files you trust. `key`: also check the file's
+    HMAC-SHA256 (tamper evidence; the file must have been saved with the same key).
+    `max_alloc_bytes` bounds what the file's layers may allocate beyond its data (a `StaticLayer`
+    preallocates `max_cache_len`); the default allows 8x the file size plus 64 MiB. Returns the
+    cache, or `(cache, metadata)` with `return_metadata=True`. Raises `CacheFormatError` for a
+    file that is not a valid kvcache file, naming the file.
     """
-    loaded = _read(path, device)
+    loaded = _read(path, device, verify=verify, key=key, max_alloc_bytes=max_alloc_bytes)
     return (loaded.cache, loaded.metadata) if return_metadata else loaded.cache
 
 
-def inspect_cache_file(path: str | os.PathLike[str]) -> CacheFile:
+def inspect_cache_file(path: str | os.PathLike[str], *, verify: bool = True) -> CacheFile:
     """Load and fully validate a kvcache file (on CPU), keeping its description for display."""
-    return _read(path, None)
+    return _read(path, None, verify=verify)

@@ -35,6 +35,9 @@ class TensorSource(Protocol):
 
     def take(self, name: str, dtype: str, shape: list[int], where: str) -> torch.Tensor: ...
 
+    def charge(self, nbytes: int, where: str) -> None:
+        """Count storage a layer is about to allocate beyond its tensors; raise past the budget."""
+
 
 @dataclass(frozen=True)
 class CompositeKind:
@@ -214,8 +217,16 @@ def _build_layers(desc: dict[str, Any], prefix: str, source: TensorSource, where
                 raise CacheFormatError(f"{at}: tensor {state_name!r} must be described by dtype and shape")
             shape = _shape(spec["shape"], f"{at} tensor {state_name!r}")
             state[state_name] = source.take(f"{prefix}layers.{i}.{state_name}", spec["dtype"], shape, at)
+        source.charge(_planned_nbytes(cls, meta, state, at), at)
         layers.append(_from_state(cls, meta, state, at))
     return layers
+
+
+def _planned_nbytes(cls: type[CacheLayer], meta: dict[str, Any], state: dict[str, torch.Tensor], where: str) -> int:
+    try:
+        return int(cls.planned_nbytes(meta, state))
+    except Exception as err:
+        raise CacheFormatError(f"{where} ({cls.__name__}): {type(err).__name__}: {err}"[:500]) from err
 
 
 def _fresh_layer(cls: type[CacheLayer], meta: dict[str, Any]) -> CacheLayer:

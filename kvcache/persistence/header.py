@@ -1,8 +1,12 @@
 """The kvcache part of a safetensors header: format name, version, cache description, user metadata.
 
 safetensors metadata maps strings to strings, so the description and the user metadata are JSON
-text. A SHA-256 of those strings is stored next to them: a flipped byte anywhere in them is then
-an error rather than a silently different cache or metadata.
+text. A SHA-256 of those strings is stored next to them, so even a load that skips the whole-file
+digest (`verify=False`) refuses an edited or damaged header. Like the xxh3 file digest it guards
+against accidents only: anyone can recompute it (see `integrity` for the keyed MAC).
+
+Versions: 1 (kvcache 0.1) had no file digest; 2 adds `integrity` (the digest scheme) and the digest
+tensor. Version-1 files load only with `verify=False`, since nothing covers their data.
 """
 
 from __future__ import annotations
@@ -16,9 +20,9 @@ from ..errors import CacheFormatError, CacheInputError
 
 FORMAT_NAME = "kvcache"
 #: Files are written in this version; files of a newer version are refused.
-FORMAT_VERSION = 1
-#: The metadata keys kvcache writes.
-KEYS = ("format", "format_version", "cache", "user", "sha256")
+FORMAT_VERSION = 2
+#: The metadata keys kvcache writes (version 1 had all but "integrity").
+KEYS = ("format", "format_version", "cache", "user", "integrity", "sha256")
 
 
 def check_json_value(value: Any, where: str) -> None:
@@ -54,20 +58,22 @@ def encode_user_metadata(metadata: Any) -> str:
     return json.dumps(metadata, separators=(",", ":"), allow_nan=False)
 
 
-def _digest(version: str, description_json: str, user_json: str) -> str:
-    text = "\n".join((FORMAT_NAME, version, description_json, user_json))
-    return hashlib.sha256(text.encode()).hexdigest()
+def _digest(version: str, description_json: str, user_json: str, integrity: str | None) -> str:
+    parts = (FORMAT_NAME, version, description_json, user_json) + (() if integrity is None else (integrity,))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
-def make_header(description: dict[str, Any], user_json: str) -> dict[str, str]:
-    """The safetensors string metadata for a cache `description` and encoded user metadata."""
+def make_header(description: dict[str, Any], user_json: str, integrity: str) -> dict[str, str]:
+    """The safetensors string metadata for a cache `description`, encoded user metadata and the
+    file digest scheme."""
     description_json = json.dumps(description, separators=(",", ":"), allow_nan=False)
     return {
         "format": FORMAT_NAME,
         "format_version": str(FORMAT_VERSION),
         "cache": description_json,
         "user": user_json,
-        "sha256": _digest(str(FORMAT_VERSION), description_json, user_json),
+        "integrity": integrity,
+        "sha256": _digest(str(FORMAT_VERSION), description_json, user_json, integrity),
     }
 
 
@@ -82,25 +88,41 @@ def _parse_json(text: str, what: str) -> Any:
         raise CacheFormatError(f"{what} is not valid JSON: {err}") from None
 
 
-def parse_header(metadata: dict[str, str] | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Check the kvcache metadata of a safetensors file; return (cache description, user metadata)."""
-    if not metadata or metadata.get("format") != FORMAT_NAME:
-        found = None if not metadata else metadata.get("format")
+class Header:
+    """A checked kvcache header: format version, file digest scheme (None in version 1),
+    cache description and user metadata."""
+
+    def __init__(self, version: int, integrity: str | None, description: dict[str, Any], user: dict[str, Any]):
+        self.version, self.integrity, self.description, self.user = version, integrity, description, user
+
+
+def parse_header(metadata: dict[str, str] | None, known_integrity: tuple[str, ...]) -> Header:
+    """Check the kvcache metadata of a safetensors file (format, version, SHA-256 of its strings)."""
+    if not isinstance(metadata, dict) or metadata.get("format") != FORMAT_NAME:
+        found = metadata.get("format") if isinstance(metadata, dict) else None
         raise CacheFormatError(f"not a kvcache file: no format '{FORMAT_NAME}' in its metadata (found {found!r})")
-    missing = [key for key in KEYS if key not in metadata]
+    missing = [key for key in KEYS if key not in metadata and key != "integrity"]
     if missing:
         raise CacheFormatError(f"kvcache metadata incomplete: missing {missing}")
-    version_text = metadata["format_version"]
-    if not version_text.isdigit() or not version_text.isascii():
+    version_text = metadata.get("format_version")
+    if not isinstance(version_text, str) or not version_text.isdigit() or not version_text.isascii():
         raise CacheFormatError(f"format_version {version_text!r} is not a version number")
-    if int(version_text) > FORMAT_VERSION:
+    version = int(version_text)
+    if version > FORMAT_VERSION:
         raise CacheFormatError(
-            f"file has format version {int(version_text)}, newer than this kvcache reads ({FORMAT_VERSION}): "
+            f"file has format version {version}, newer than this kvcache reads ({FORMAT_VERSION}): "
             "upgrade kvcache to load it"
         )
-    if int(version_text) < 1:
+    if version < 1:
         raise CacheFormatError(f"format_version {version_text!r} does not exist")
-    if metadata["sha256"] != _digest(version_text, metadata["cache"], metadata["user"]):
+    keys = KEYS if version >= 2 else tuple(k for k in KEYS if k != "integrity")
+    missing = [key for key in keys if key not in metadata]
+    if missing:
+        raise CacheFormatError(f"kvcache metadata incomplete: missing {missing}")
+    integrity = metadata.get("integrity") if version >= 2 else None
+    if version >= 2 and integrity not in known_integrity:
+        raise CacheFormatError(f"unknown integrity scheme {integrity!r} (known: {list(known_integrity)})")
+    if metadata["sha256"] != _digest(version_text, metadata["cache"], metadata["user"], integrity):
         raise CacheFormatError("kvcache metadata corrupted: its SHA-256 does not match (edited or damaged header)")
     description = _parse_json(metadata["cache"], "cache description")
     user = _parse_json(metadata["user"], "user metadata")
@@ -108,4 +130,4 @@ def parse_header(metadata: dict[str, str] | None) -> tuple[dict[str, Any], dict[
         raise CacheFormatError(f"cache description must be a JSON object, got {type(description).__name__}")
     if not isinstance(user, dict):
         raise CacheFormatError(f"user metadata must be a JSON object, got {type(user).__name__}")
-    return description, user
+    return Header(version, integrity, description, user)

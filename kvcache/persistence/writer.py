@@ -10,13 +10,17 @@ safetensors' own reader.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import json
 import math
 import os
+import re
+import socket
 import struct
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -24,6 +28,7 @@ from typing import BinaryIO
 import torch
 
 from ..errors import CacheInputError
+from .integrity import DIGEST_TENSOR, FileDigest
 
 #: torch dtype -> safetensors dtype name (the ones both sides know).
 DTYPE_NAMES: dict[torch.dtype, str] = {
@@ -77,8 +82,11 @@ def _rows(tensor: torch.Tensor) -> Iterator[memoryview]:
         yield memoryview(tensor[index].reshape(-1).view(torch.uint8).numpy())
 
 
-def write_safetensors(file: BinaryIO, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """Write `tensors` (in order) and string `metadata` to `file` in safetensors format."""
+def write_safetensors(
+    file: BinaryIO, tensors: dict[str, torch.Tensor], metadata: dict[str, str], digest: FileDigest
+) -> None:
+    """Write `tensors` (in order) and string `metadata` to `file` in safetensors format, then the
+    digest of every byte before it as the last tensor (`DIGEST_TENSOR`)."""
     if sys.byteorder != "little":
         raise CacheInputError("saving caches is only supported on little-endian machines")
     header: dict[str, object] = {"__metadata__": metadata}
@@ -91,13 +99,20 @@ def write_safetensors(file: BinaryIO, tensors: dict[str, torch.Tensor], metadata
             "data_offsets": [offset, offset + nbytes],
         }
         offset += nbytes
+    header[DIGEST_TENSOR] = {"dtype": "U8", "shape": [digest.nbytes], "data_offsets": [offset, offset + digest.nbytes]}
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-    file.write(struct.pack("<Q", len(encoded)))
-    file.write(encoded)
+
+    def emit(data: bytes | memoryview) -> None:
+        file.write(data)
+        digest.update(data)
+
+    emit(struct.pack("<Q", len(encoded)))
+    emit(encoded)
     for tensor in tensors.values():
         for row in _rows(tensor):
-            file.write(row)
+            emit(row)
+    file.write(digest.digest())
 
 
 def _umask() -> int:
@@ -116,14 +131,71 @@ def _new_file_mode(path: Path) -> int:
     return 0o666 & ~_umask()
 
 
+#: Temporary files of saves in progress: `.<name>.<host tag>.<pid>.<random>` + this suffix.
+TEMP_SUFFIX = ".kvcache-tmp"
+_TEMP_NAME = re.compile(r"^\..*\.([0-9a-f]{8})\.(\d+)\.[A-Za-z0-9_]+" + re.escape(TEMP_SUFFIX) + "$")
+_HOST = hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
+#: A temporary file of a save whose process is gone is removed once it is this old (seconds) ...
+STALE_AFTER_DEAD_S = 60.0
+#: ... and one whose writer cannot be checked (another host, or a reused pid) once it is this old.
+STALE_AFTER_S = 24 * 3600.0
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, OSError):
+        return True  # exists (another user's), or cannot tell: keep the file
+    return True
+
+
+def remove_stale_temporaries(directory: Path) -> list[str]:
+    """Remove the temporary files that killed saves left in `directory`; return their names.
+
+    Only files named as `atomic_write` names them are considered, and only when they are old: their
+    writer on this host is gone and they are a minute old, or they are a day old (a writer on another
+    host, or a pid reused since). A save in progress is never touched.
+    """
+    removed = []
+    now = time.time()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(directory):
+            match = _TEMP_NAME.match(entry.name)
+            if match is None or not entry.is_file(follow_symlinks=False):
+                continue
+            host, pid = match.group(1), int(match.group(2))
+            with contextlib.suppress(OSError):
+                age = now - entry.stat(follow_symlinks=False).st_mtime
+                gone = host == _HOST and pid != os.getpid() and not _process_alive(pid)
+                if (gone and age > STALE_AFTER_DEAD_S) or age > STALE_AFTER_S:
+                    os.unlink(entry.path)
+                    removed.append(entry.name)
+    return removed
+
+
 def atomic_write(path: Path, write: Callable[[BinaryIO], None], *, fsync: bool = True) -> None:
     """Create `path` through `write(file)` so that it either appears complete or not at all.
 
-    The data goes to a temporary file in the same directory, is flushed (to disk with `fsync`,
-    so that a power loss cannot leave a renamed but empty file), then renamed over `path`. On any
-    failure the temporary file is removed and `path` is left as it was.
+    Stale temporary files of earlier, killed saves in that directory are removed first
+    (`remove_stale_temporaries`). The data goes to a temporary file in the same directory, is
+    flushed (to disk with `fsync`, so that a power loss cannot leave a renamed but empty file),
+    then renamed over `path`. On any failure the temporary file is removed and `path` is left as
+    it was; an `OSError` names `path`, not the temporary file.
     """
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name[:100]}.", suffix=".tmp", dir=path.parent)
+    try:
+        _write_via_temporary(path, write, fsync)
+    except OSError as err:
+        if err.errno is None:
+            raise
+        raise OSError(err.errno, f"cannot save {path}: {err.strerror}") from err
+
+
+def _write_via_temporary(path: Path, write: Callable[[BinaryIO], None], fsync: bool) -> None:
+    remove_stale_temporaries(path.parent)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name[:100]}.{_HOST}.{os.getpid()}.", suffix=TEMP_SUFFIX,
+                                    dir=path.parent)  # fmt: skip
     try:
         with os.fdopen(fd, "wb") as file:
             write(file)
