@@ -370,3 +370,24 @@ def test_untested_transformers_versions_are_refused_or_flagged(monkeypatch: pyte
         monkeypatch.undo()
         importlib.reload(integration)
     assert integration.cache_from_config is cache_from_config
+
+
+def test_the_extra_asks_for_the_range_the_import_check_accepts() -> None:
+    """pyproject's `transformers` extra and the import-time check state one range, so pip keeps an
+    installed transformers exactly when the integration will import with it; `packaging`, which the
+    integration imports, is declared too."""
+    tomllib = pytest.importorskip("tomllib")
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    from kvcache.integrations.transformers import SUPPORTED_TRANSFORMERS, TESTED_TRANSFORMERS
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    extra = {Requirement(r).name: Requirement(r) for r in pyproject["project"]["optional-dependencies"]["transformers"]}
+    assert "packaging" in extra
+    spec = extra["transformers"].specifier
+    low, high = SUPPORTED_TRANSFORMERS
+    for version in ("5.23.9", str(low), f"{TESTED_TRANSFORMERS}.7", "5.31.0", "5.99", str(high), "6.1"):
+        assert spec.contains(version) == (low <= Version(version) < high), version

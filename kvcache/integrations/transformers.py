@@ -1,4 +1,4 @@
-"""kvcache caches inside unmodified Hugging Face transformers models (SPEC sections 1 and 9).
+"""kvcache caches inside unmodified Hugging Face transformers models (docs/transformers.md).
 
     from kvcache.integrations.transformers import as_transformers_cache, cache_from_config, wrap_model
 
@@ -8,8 +8,11 @@
 
     result = kvcache.generation.generate(wrap_model(model), input_ids, max_new_tokens=20)
 
-Needs the optional extra `kvcache[transformers]` (transformers 5.24.x, the tested range; other 5.x
-versions import with a warning). Nothing else in kvcache imports transformers.
+Needs the optional extra `kvcache[transformers]`: transformers >=5.24,<6 (the supported range; the
+extra asks for the same, so an installed transformers inside it is kept). Versions outside it are
+refused at import; versions inside it other than the tested 5.24.x import with a warning, since
+transformers changes its cache protocol between minor versions. Nothing else in kvcache imports
+transformers.
 """
 
 from __future__ import annotations
@@ -23,18 +26,21 @@ from .hf_cache import TransformersCache, TransformersEncoderDecoderCache, as_tra
 from .hf_config import cache_from_config, layer_for
 from .hf_models import TransformersCausalLM, TransformersEncoderDecoderLM, wrap_model
 
-#: transformers versions this integration is tested with, [low, high): the `kvcache[transformers]` pin.
-TESTED_TRANSFORMERS = (Version("5.24"), Version("5.25"))
+#: transformers versions this integration supports, [low, high): the `kvcache[transformers]` extra's range.
+SUPPORTED_TRANSFORMERS = (Version("5.24"), Version("6"))
+#: The minor version it is tested with; others in the supported range warn.
+TESTED_TRANSFORMERS = Version("5.24")
 
 _found = Version(transformers.__version__)
-if not TESTED_TRANSFORMERS[0] <= _found < Version("6"):
+if not SUPPORTED_TRANSFORMERS[0] <= _found < SUPPORTED_TRANSFORMERS[1]:
     raise ImportError(
-        f"kvcache.integrations.transformers needs transformers >={TESTED_TRANSFORMERS[0]},<6 (tested: "
-        f'{TESTED_TRANSFORMERS[0]}.x), found {transformers.__version__}: pip install "kvcache[transformers]"'
+        f"kvcache.integrations.transformers needs transformers >={SUPPORTED_TRANSFORMERS[0]},"
+        f"<{SUPPORTED_TRANSFORMERS[1]} (tested: {TESTED_TRANSFORMERS}.x), found {transformers.__version__}: "
+        'pip install "kvcache[transformers]"'
     )
-if _found >= TESTED_TRANSFORMERS[1]:
+if _found.release[:2] != TESTED_TRANSFORMERS.release[:2]:
     warnings.warn(
-        f"kvcache.integrations.transformers is tested with transformers {TESTED_TRANSFORMERS[0]}.x, found "
+        f"kvcache.integrations.transformers is tested with transformers {TESTED_TRANSFORMERS}.x, found "
         f"{transformers.__version__}; transformers changes its cache protocol between minor versions",
         stacklevel=2,
     )
