@@ -2,7 +2,7 @@
 
 A layer with a realistic state: a 32 heads x 64 x 128 fp32 recurrent state (1 MiB per batch row, as
 in a Mamba2 / gated-delta-net layer) and a conv state of 4352 channels x kernel 4. Prints Markdown
-tables: bytes held against the SPEC bound (conv inputs since the commit point + `1 + r` states;
+tables: bytes held against the contract's bound (conv inputs since the commit point + `1 + r` states;
 "bytes held" includes the conv history's spare capacity, allocated geometrically in blocks of 16 columns),
 and the median time of `crop(-k)` next to the time of one recorded decode step, measured in the
 same run. Run: `python benchmarks/recurrent_rollback.py [--reps N]`.

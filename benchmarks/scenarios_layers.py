@@ -317,7 +317,7 @@ def memory_scenario(mode: str) -> Section:
     section = Section(
         "memory",
         "3. Memory held while recording r steps, against what rollback needs",
-        "SPEC section 4 bounds memory while recording by what rollback needs: a sliding window keeps `W - 1 + r` "
+        "The contract (docs/contract.md) bounds memory while recording by what rollback needs: a sliding window keeps `W - 1 + r` "
         f"tokens, a recurrent layer `1 + r` states, for r recorded steps. One layer; sliding W = {WINDOW} "
         f"({_BYTES_PER_TOKEN:,} B per token for keys + values) prefilled with 2W tokens; recurrent state "
         f"{recurrent_rollback.STATE_SHAPE} fp32 ({recurrent_rollback.STATE_BYTES:,} B) with conv "
@@ -469,6 +469,6 @@ def memory_scenario(mode: str) -> Section:
     }
     series["kvcache RecurrentLayer held / needed"] = [row["held"] / row["needed"] for row in recorded]
     section.plots.append(
-        Plot("ratio", "Bytes held while recording / SPEC bound", "recorded steps r", "held / bound", x, series)
+        Plot("ratio", "Bytes held while recording / contract bound", "recorded steps r", "held / bound", x, series)
     )
     return section

@@ -14,7 +14,7 @@ from .layers.base import CacheLayer, check_repeats, index_layers_batch
 
 class EncoderDecoderCache:
     """`self_attention_cache` grows with the decoded tokens; `cross_attention_cache` holds the
-    encoder's keys/values, written once per layer and never cropped (SPEC section 5).
+    encoder's keys/values, written once per layer and never cropped (docs/contract.md).
 
     Mirrors transformers' `EncoderDecoderCache`: model code reads `is_updated.get(layer_idx)` to
     know whether layer `layer_idx`'s cross keys/values are already there, reads them from

@@ -1,4 +1,4 @@
-"""How models plug into `kvcache.generation` (SPEC section 8)."""
+"""How models plug into `kvcache.generation` (docs/contract.md, "Who calls what")."""
 
 from __future__ import annotations
 

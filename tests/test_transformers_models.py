@@ -1,4 +1,4 @@
-"""kvcache caches inside unmodified transformers models: same logits, same generations (SPEC section 9).
+"""kvcache caches inside unmodified transformers models: same logits, same generations.
 
 Tiny randomly initialised models built from configs (no downloads), fp32 on CPU, one per layer
 kind: Llama (full attention), Gemma3 (sliding layer first, then full), Qwen3-Next (gated delta net

@@ -55,7 +55,7 @@ def generate(
     defer_stop: bool | None = None,
     decoder_input_ids: torch.Tensor | None = None,
 ) -> GenerationOutput:
-    """Generate up to `max_new_tokens` tokens per row (SPEC section 8).
+    """Generate up to `max_new_tokens` tokens per row (see the README's Generation section).
 
     - `input_ids` `[batch, seq]`, left-padded with `attention_mask` (1 = token, 0 = padding) for
       batches of unequal length. With `cache`, pass the whole sequence so far: the cache's tokens

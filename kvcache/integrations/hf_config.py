@@ -1,4 +1,4 @@
-"""Build the kvcache cache a transformers model config needs (SPEC section 9)."""
+"""Build the kvcache cache a transformers model config needs."""
 
 from __future__ import annotations
 

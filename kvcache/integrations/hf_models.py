@@ -1,4 +1,4 @@
-"""transformers models behind kvcache's model protocol (`kvcache.protocol`, SPEC section 8)."""
+"""transformers models behind kvcache's model protocol (`kvcache.protocol`)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ def register_layer(cls: type[CacheLayer]) -> type[CacheLayer]:
 
 
 class CacheLayer(ABC):
-    """What one model layer's past tokens left behind, with exact rollback (SPEC sections 3 and 4).
+    """What one model layer's past tokens left behind, with exact rollback (docs/contract.md).
 
     Subclasses keep their content in tensors named by `state` and their parameters and bookkeeping
     in the JSON-able `meta_state`; `from_state` rebuilds an identical layer from the two. That one

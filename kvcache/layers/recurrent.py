@@ -2,7 +2,7 @@
 
 A `RecurrentLayer` holds, per state index, a conv window `[batch, channels, kernel]` and/or a
 recurrent state (any shape, batch first). Neither has a sequence axis one could cut, so rollback
-needs history, kept only while recording (SPEC section 4):
+needs history, kept only while recording (docs/contract.md, "The recurrent step rule"):
 
 * conv: the window at the commit point plus every input since, in one growth buffer; the window
   at any token since the commit point is a slice of it, so conv rollback is token-exact.
