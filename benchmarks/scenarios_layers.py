@@ -317,8 +317,9 @@ def memory_scenario(mode: str) -> Section:
     section = Section(
         "memory",
         "3. Memory held while recording r steps, against what rollback needs",
-        "The contract (docs/contract.md) bounds memory while recording by what rollback needs: a sliding window keeps `W - 1 + r` "
-        f"tokens, a recurrent layer `1 + r` states, for r recorded steps. One layer; sliding W = {WINDOW} "
+        "The contract (docs/contract.md) bounds memory while recording by what rollback needs: a sliding "
+        "window keeps `W - 1 + r` tokens, a recurrent layer `1 + r` states, for r recorded steps. "
+        f"One layer; sliding W = {WINDOW} "
         f"({_BYTES_PER_TOKEN:,} B per token for keys + values) prefilled with 2W tokens; recurrent state "
         f"{recurrent_rollback.STATE_SHAPE} fp32 ({recurrent_rollback.STATE_BYTES:,} B) with conv "
         f"{recurrent_rollback.CONV_CHANNELS}x{recurrent_rollback.KERNEL}. Bytes held count the storage behind the "

@@ -139,7 +139,7 @@ def test_resume_is_exact_with_a_stand_in_model(stand_in_model, capsys, tmp_path:
     ids = torch.tensor([tokenizer.encode(PROMPT)])
     expected = generate(model, ids, max_new_tokens=12).sequences[0, ids.shape[1] :].tolist()
     assert code == 0 and greedy == tokenizer.decode(expected) + "\n"
-    code, _, err = _cli(capsys, "Elsewhere", "--cache", str(saved))
+    code, _, err = _cli(capsys, "elsewhere", "--cache", str(saved))
     assert code == 2 and "does not start with" in err and err.count("\n") == 1
     for args, word in ((("--max-new-tokens", "-1"), "max-new-tokens"), (("--temperature", "-1"), "temperature")):
         code, out, err = _cli(capsys, PROMPT, *args)
@@ -158,3 +158,35 @@ def test_a_cache_saved_with_other_weights_is_refused(stand_in_model, capsys, tmp
     save_file({k: v.contiguous() for k, v in other.state_dict().items() if k != "lm_head.weight"}, str(weights))
     code, out, err = _cli(capsys, PROMPT, "--cache", str(saved))
     assert code == 2 and out == "" and "not a prompt cache of this model" in err
+
+
+def test_small_things_a_user_hits(stand_in_model, capsys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sampling options fail before any work; '-' reads the prompt from stdin; characters outside the
+    alphabet are a warning; --save-cache says how many tokens it kept; --version."""
+    import io
+
+    from kvcache import __version__
+    from kvcache.models.decoder import DecoderLM as Model
+
+    calls = []
+    real_forward = Model.forward
+    monkeypatch.setattr(Model, "forward", lambda self, *a, **k: calls.append(1) or real_forward(self, *a, **k))
+    for args, word in ((("--top-p", "1.5"), "top_p"), (("--top-k", "-2"), "top_k"), (("--temperature", "nan"), "temp")):
+        code, out, err = _cli(capsys, PROMPT, *args)
+        assert (code, out) == (2, "") and word in err and err.count("\n") == 1
+    assert calls == []  # refused before the model ran (or was even loaded)
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPT))
+    from_stdin = _cli(capsys, "-", "--max-new-tokens", "8", "--temperature", "0")
+    assert from_stdin[:2] == _cli(capsys, PROMPT, "--max-new-tokens", "8", "--temperature", "0")[:2]
+
+    code, _, err = _cli(capsys, "The ©afé is", "--max-new-tokens", "1")
+    assert code == 0 and "warning" in err and "©" in err and "é" in err
+
+    saved = tmp_path / "p.kvcache"
+    code, _, err = _cli(capsys, PROMPT, "--max-new-tokens", "0", "--save-cache", str(saved))
+    assert code == 0 and f"32 of the prompt's {len(PROMPT)} tokens" in err
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.strip() == f"kvcache {__version__}"

@@ -391,3 +391,11 @@ def test_the_extra_asks_for_the_range_the_import_check_accepts() -> None:
     low, high = SUPPORTED_TRANSFORMERS
     for version in ("5.23.9", str(low), f"{TESTED_TRANSFORMERS}.7", "5.31.0", "5.99", str(high), "6.1"):
         assert spec.contains(version) == (low <= Version(version) < high), version
+
+
+def test_generate_given_an_unwrapped_transformers_model_says_to_wrap_it() -> None:
+    from kvcache import GenerationError
+    from kvcache.generation import generate
+
+    with pytest.raises(GenerationError, match=r"wrap_model\(model\)"):
+        generate(tiny_model("llama"), prompt(), max_new_tokens=2)

@@ -15,7 +15,10 @@ SUBCOMMAND_MODULES = ("inspect", "generate")
 def build_parser() -> argparse.ArgumentParser:
     import importlib
 
+    from .. import __version__
+
     parser = argparse.ArgumentParser(prog="kvcache", description="KV caches with exact rollback.")
+    parser.add_argument("--version", action="version", version=f"kvcache {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in SUBCOMMAND_MODULES:
         try:

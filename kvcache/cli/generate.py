@@ -38,7 +38,7 @@ def add_parser(subparsers: Any) -> None:
         help="stream text from the bundled character-level model",
         description="Stream text from the bundled character-level model. Stdout: the generated text only.",
     )
-    parser.add_argument("prompt", help="the text to continue")
+    parser.add_argument("prompt", help="the text to continue ('-' reads it from standard input)")
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
                         help=f"tokens to generate (default {DEFAULT_MAX_NEW_TOKENS}; 0 only builds the prompt's cache)")
     parser.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE,
@@ -72,6 +72,7 @@ def model_id(weights_dir: Path) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from ..generation import TextStreamer, generate
+    from ..generation.sampling import Sampling
     from ..models import default
     from ..persistence import load_cache, save_cache
 
@@ -81,12 +82,20 @@ def run(args: argparse.Namespace) -> int:
         raise GenerationError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     if args.threads < 1:
         raise GenerationError(f"--threads must be >= 1, got {args.threads}")
-    if not args.prompt:
+    sampling = args.temperature > 0
+    Sampling(sampling, args.temperature, args.top_k, args.top_p)  # checked before any work
+    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not text:
         raise GenerationError("the prompt is empty")
     torch.set_num_threads(args.threads)
     loaded = load_cache(args.cache, return_metadata=True) if args.cache else None  # a bad file fails fast
     model, tokenizer = default.load_default_model(weights_dir=default.WEIGHTS_DIR)
-    ids = tokenizer.encode(args.prompt)
+    unknown = tokenizer.unknown_characters(text)
+    if unknown:
+        shown = "".join(unknown[:20]) + ("..." if len(unknown) > 20 else "")
+        print(f"kvcache generate: warning: {len(unknown)} character(s) outside the model's alphabet are read as "
+              f"{tokenizer.unknown!r}: {shown!r}", file=sys.stderr)  # fmt: skip
+    ids = tokenizer.encode(text)
     this_model = model_id(default.WEIGHTS_DIR)
 
     cache, reused = model.new_cache(), 0
@@ -111,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
     if args.save_cache:
         metadata = {"model": this_model, "prompt_ids": ids, "cached_tokens": whole_blocks}
         save_cache(cache, args.save_cache, metadata=metadata)
+        print(f"saved the cache of {whole_blocks} of the prompt's {len(ids)} tokens to {args.save_cache} (whole "
+              f"{PREFILL_BLOCK}-token blocks; a resumed run prefills the rest)", file=sys.stderr)  # fmt: skip
     built = generate(model, prompt, cache=cache, max_new_tokens=0)  # the rest of the prompt but its last token
     prefill_s = time.perf_counter() - started
     print(f"prompt: {len(ids)} tokens, {reused} reused from the cache, {len(ids) - 1 - reused} prefilled "
@@ -118,7 +129,6 @@ def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens == 0:
         return 0
 
-    sampling = args.temperature > 0
     generator = torch.Generator(device=model.device).manual_seed(args.seed)
     started = time.perf_counter()
     out = generate(

@@ -26,6 +26,11 @@ def check_model(model: Any) -> bool:
     """Raise unless `model` speaks `kvcache.protocol`; return whether it is an encoder-decoder."""
     vocab = getattr(model, "vocab_size", None)
     if not callable(model) or not callable(getattr(model, "new_cache", None)):
+        if type(model).__module__.startswith("transformers."):
+            raise GenerationError(
+                f"{type(model).__name__} is a transformers model: pass "
+                "kvcache.integrations.transformers.wrap_model(model), which adapts it to kvcache.protocol"
+            )
         raise GenerationError(
             f"model must be callable and have new_cache() (kvcache.protocol), got {type(model).__name__}"
         )

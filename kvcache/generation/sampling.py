@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,8 @@ class Sampling:
             raise GenerationError(f"do_sample must be a bool, got {self.do_sample!r}")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
             raise GenerationError(f"temperature must be a number, got {self.temperature!r}")
+        if not math.isfinite(self.temperature):
+            raise GenerationError(f"temperature must be a finite number, got {self.temperature!r}")
         if self.do_sample and not self.temperature > 0:
             raise GenerationError(f"temperature must be > 0 when sampling, got {self.temperature!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:

@@ -35,6 +35,10 @@ class CharTokenizer:
         fallback = self._index[self.unknown]
         return [self._index.get(ch, fallback) for ch in text]
 
+    def unknown_characters(self, text: str) -> list[str]:
+        """The distinct characters of `text` outside the alphabet (each encodes as `unknown`), in order."""
+        return list(dict.fromkeys(ch for ch in text if ch not in self._index))
+
     def decode(self, ids: Iterable[int] | Sequence[int]) -> str:
         """The text of token ids (an out-of-range id is an error)."""
         chars = []
