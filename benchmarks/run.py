@@ -31,6 +31,7 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 def scenarios() -> dict[str, Callable[[str], Section]]:
     """The registry: scenario name -> function(mode) returning its `Section`, in the issue's order."""
+    from benchmarks.first_step import first_step_scenario
     from benchmarks.scenarios_io import generation_scenario, persistence_scenario
     from benchmarks.scenarios_layers import append_scenario, memory_scenario, rollback_scenario
 
@@ -40,6 +41,7 @@ def scenarios() -> dict[str, Callable[[str], Section]]:
         "memory": memory_scenario,
         "persistence": persistence_scenario,
         "generation": generation_scenario,
+        "first_step": first_step_scenario,
     }
 
 

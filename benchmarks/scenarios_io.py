@@ -21,9 +21,11 @@ WHY_SLOWER = {
     "and renames it into place",
     "save, no fsync": "the atomic save writes a fresh temporary file and renames it into place, row by row from "
     "the cache's live views",
-    "load (lazy, memory-mapped)": "a fixed cost per file: parsing and checking the cache description, every "
-    "tensor's dtype and shape, and building the layers",
-    "load + read every byte": "the lazy load's fixed cost, then the same memory-mapped reads",
+    "load, verified (default) + read every byte": "reads the file into memory the cache owns (no memory map, so "
+    "a loaded cache never changes with its file), hashes every byte (xxh3), then the layers copy their tensors "
+    "into storage with append headroom",
+    "load, verify=False + read every byte": "reads the file into memory the cache owns, then the layers copy "
+    "their tensors into storage with append headroom",
 }
 
 

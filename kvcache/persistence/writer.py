@@ -54,8 +54,10 @@ for _attr, _name in (
     if hasattr(torch, _attr):
         DTYPE_NAMES[getattr(torch, _attr)] = _name
 
-#: A tensor is written row by row when that takes at most this many rows; otherwise packed first.
+#: A tensor is written row by row when that takes at most this many rows ...
 MAX_ROWS_PER_TENSOR = 4096
+#: ... and each row holds at least this many bytes.
+MIN_ROW_BYTES = 64 * 1024
 
 
 def dtype_name(dtype: torch.dtype, what: str) -> str:
@@ -76,8 +78,9 @@ def _rows(tensor: torch.Tensor) -> Iterator[memoryview]:
     lead = 0  # the fewest leading dims to iterate over so that each row is contiguous
     while not tensor[(0,) * lead].is_contiguous():
         lead += 1
-    if math.prod(tensor.shape[:lead]) > MAX_ROWS_PER_TENSOR:
-        tensor, lead = tensor.contiguous(), 0
+    row_bytes = math.prod(tensor.shape[lead:]) * tensor.element_size()
+    if lead and (math.prod(tensor.shape[:lead]) > MAX_ROWS_PER_TENSOR or row_bytes < MIN_ROW_BYTES):
+        tensor, lead = tensor.contiguous(), 0  # one packed copy of this tensor beats many tiny writes
     for index in itertools.product(*(range(n) for n in tensor.shape[:lead])):
         yield memoryview(tensor[index].reshape(-1).view(torch.uint8).numpy())
 
