@@ -9,6 +9,7 @@ long call would. `max_new_tokens=0` only builds the cache of the prompt (all but
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from ..cache import Cache
 from ..encoder_decoder import EncoderDecoderCache
 from ..errors import GenerationError
 from . import inputs
+from .recovery import StreamCounter, recover
 from .sampling import Sampling
 from .stop import DeferredStopCheck, StopCheck, is_async_device, self_attention_layers
 from .streamers import Streamer
@@ -105,6 +107,7 @@ def generate(
             raise GenerationError("decoder_input_ids is only for encoder-decoder models")
         tokens, token_mask = input_ids, attention_mask
 
+    given_cache = cache is not None
     if cache is None:
         cache = model.new_cache()
     else:
@@ -116,11 +119,38 @@ def generate(
             "so far (e.g. the previous call's sequences plus new tokens); the cache's tokens are skipped"
         )
     layers = self_attention_layers(cache)
-    if past > 0 or defer_stop is True:
+    if given_cache or defer_stop is True:  # a cache of the caller's, even an empty one, must fit the model
         _probe_cache(model, cache, input_ids, tokens, encoder_decoder, need_rollback=defer_stop is True)
     recording_on_entry = [layer.record_past for layer in layers]
 
-    # ----------------------------------------------------------------------------- the prefill
+    counter = None if streamer is None else StreamCounter(streamer)
+    made: list[StopCheck] = []  # the stop check, once the prefill has made it
+    try:
+        if past > 0:  # so that an interrupted prefill can go back to what the cache held on entry
+            for layer in layers:
+                layer.activate_past_recording()
+        return _run(model, cache, input_ids, attention_mask, encoder_decoder, tokens, token_mask, past, length,
+                    max_new_tokens, sampling, generator, counter, output_scores, defer_stop, eos, pad,
+                    recording_on_entry, made.append)  # fmt: skip
+    except BaseException:
+        stop = made[-1] if made else None
+        if isinstance(stop, DeferredStopCheck) and not stop.ended and not (counter and counter.raised):
+            with contextlib.suppress(Exception):  # stream the step it held back, as finishing would
+                stop.finish()
+        streamed = [] if counter is None or counter.accepted == 0 else [length + counter.accepted - 1]
+        recover(cache, [*streamed, past], recording_on_entry)
+        raise
+
+
+def _run(
+    model: Any, cache: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, encoder_decoder: bool,
+    tokens: torch.Tensor, token_mask: torch.Tensor | None, past: int, length: int, max_new_tokens: int,
+    sampling: Sampling, generator: torch.Generator | None, streamer: Streamer | None, output_scores: bool,
+    defer_stop: bool | None, eos: list[int], pad: list[int], recording_on_entry: list[bool],
+    remember: Callable[[StopCheck], None],
+) -> GenerationOutput:  # fmt: skip
+    """The prefill and the decoding loop of `generate`, after its checks."""
+    batch, device = tokens.shape[0], tokens.device
     with torch.no_grad():
         forward = _forward_fn(model, cache, input_ids, attention_mask, encoder_decoder)
         positions = _positions(token_mask, past, length, max_new_tokens, batch, device)
@@ -139,6 +169,7 @@ def generate(
         logits = forward(tokens[:, past:], mask, positions[:, past:length])[:, -1]
 
         stop = _stop_check(cache, defer_stop, batch, device, recording_on_entry, sampling, generator, streamer)
+        remember(stop)
         sequences, scores = _decode(
             forward, logits, stop, sampling, generator, eos, pad[0], full_mask, positions,
             length, max_new_tokens, output_scores,
@@ -232,19 +263,34 @@ def _probe_cache(
             model(tokens[:1, :1], cache=probe, encoder_hidden_states=encoded)
         else:
             model(tokens[:1, :1], cache=probe)
-    if inputs.cache_length(cache) > 0:
-        inputs.check_cache_shapes(cache, probe)
+    inputs.check_cache_shapes(cache, probe)
     if need_rollback:
         for layer in self_attention_layers(probe):
             layer.activate_past_recording()
-        recording = [layer for layer in self_attention_layers(cache) if layer.record_past]
-        layers = self_attention_layers(probe) + recording
-        blockers = [type(layer).__name__ for layer in layers if not layer.is_croppable]
+        with torch.no_grad():  # a recorded decode step: a model that overwrites states in place shows here
+            if encoder_decoder:
+                model(tokens[:1, :1], cache=probe, encoder_hidden_states=encoded)
+            else:
+                model(tokens[:1, :1], cache=probe)
+        blockers = [type(layer).__name__ for layer in self_attention_layers(probe) if not layer.is_croppable]
+        given = self_attention_layers(cache)
+        blockers += [type(layer).__name__ for layer in given if not _croppable_when_recording(layer)]
         if blockers:
             raise GenerationError(
                 f"defer_stop=True needs a cache that can undo a step exactly, but {sorted(set(blockers))} cannot; "
                 "use defer_stop=None or False"
             )
+
+
+def _croppable_when_recording(layer: Any) -> bool:
+    """Whether `layer` can undo a step once recording (asked of the layer itself, left as it was)."""
+    if layer.record_past:
+        return layer.is_croppable
+    layer.activate_past_recording()
+    try:
+        return layer.is_croppable
+    finally:
+        layer.record_past = False
 
 
 def _stop_check(
@@ -259,16 +305,17 @@ def _stop_check(
 ) -> StopCheck:
     """Pick the stop check after the prefill (recording starts only now: a long prefill into a
     sliding window or a recurrent layer must not be recorded)."""
-    if defer_stop is False or (defer_stop is None and not is_async_device(device)):
-        return StopCheck(streamer)
+    deferred = not (defer_stop is False or (defer_stop is None and not is_async_device(device)))
     layers = self_attention_layers(cache)
-    for layer in layers:
+    for layer in layers:  # one step of history either way: an interrupted run is cropped back exactly
         layer.activate_past_recording()
     if not all(layer.is_croppable for layer in layers):
         if defer_stop:
             raise GenerationError("defer_stop=True: the cache cannot undo a step exactly after the prefill")
         _settle(cache, recording_on_entry)
         return StopCheck(streamer)
+    if not deferred:
+        return StopCheck(streamer, cache=cache, commit=not any(recording_on_entry))
     if sampling.do_sample and generator is None:
         generator = _default_generator(device)
     return DeferredStopCheck(

@@ -10,6 +10,8 @@ import torch
 from ..cache import Cache
 from ..encoder_decoder import EncoderDecoderCache
 from ..errors import CacheInputError, GenerationError, KVCacheError
+from ..layers.dynamic import DynamicLayer
+from ..layers.static import StaticLayer
 from .stop import self_attention_layers
 
 #: meta_state entries that are parameters of a layer (not bookkeeping that changes with tokens).
@@ -147,20 +149,30 @@ def _fingerprint(tensor: torch.Tensor) -> tuple[Any, ...]:
     return tensor.dtype, tensor.device, tensor.dim(), tensor.shape[1] if tensor.dim() > 1 else None, tensor.shape[-1]
 
 
+def _same_kind(mine: Any, ref: Any) -> bool:
+    """A layer of the model's kind (or a subclass); full attention held dynamically or statically."""
+    full = (DynamicLayer, StaticLayer)
+    if type(ref) is DynamicLayer and isinstance(mine, full) and not mine.is_sliding:
+        return True
+    return isinstance(mine, type(ref))
+
+
 def check_cache_shapes(cache: Cache, probe: Cache) -> None:
     """Raise `CacheInputError` unless `cache` has the layers, parameters, dtypes, devices, heads and
     head sizes of `probe` (a fresh cache the model has just written one token into)."""
     given, fresh = self_attention_layers(cache), self_attention_layers(probe)
+    if not given and getattr(getattr(cache, "self_attention_cache", cache), "layer_factory", None) is not None:
+        return  # a lazy cache that has not built a layer yet: the model's updates build and check them
     if len(given) != len(fresh):
         raise CacheInputError(
             f"cache has {len(given)} layer(s) but the model writes {len(fresh)}: another model's cache?"
         )
     for i, (mine, ref) in enumerate(zip(given, fresh, strict=True)):
-        if type(mine) is not type(ref):
+        if not _same_kind(mine, ref):
             raise CacheInputError(f"cache layer {i} is a {type(mine).__name__}, the model needs a {type(ref).__name__}")
         mine_meta, ref_meta = mine.meta_state, ref.meta_state
         for key in LAYER_PARAMETERS:
-            if mine_meta.get(key) != ref_meta.get(key):
+            if key in ref_meta and mine_meta.get(key) != ref_meta.get(key):
                 raise CacheInputError(
                     f"cache layer {i}: {key} is {mine_meta.get(key)!r}, the model uses {ref_meta.get(key)!r}"
                 )

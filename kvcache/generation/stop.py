@@ -35,10 +35,16 @@ def self_attention_layers(cache: Cache) -> list[Any]:
 
 
 class StopCheck:
-    """Reads the stop decision of each step immediately (one host/device sync per step)."""
+    """Reads the stop decision of each step immediately (one host/device sync per step).
 
-    def __init__(self, streamer: Streamer | None = None) -> None:
+    With `cache` and `commit=True` (the driver started recording for this call) every streamed step
+    is committed with `crop(0)`: the cache then keeps one step of history, so an interrupted run
+    can be cropped back to exactly what was streamed (`recovery`)."""
+
+    def __init__(self, streamer: Streamer | None = None, *, cache: Cache | None = None, commit: bool = False) -> None:
         self.streamer = streamer
+        self.cache = cache
+        self.commit = commit
 
     def before_step(self) -> None:
         """Called before a step picks its tokens (the deferred check snapshots the generator)."""
@@ -47,7 +53,10 @@ class StopCheck:
         """Whether to stop after this step; `last` is True on the final step `max_new_tokens` allows."""
         if self.streamer is not None:
             self.streamer.put(tokens.cpu())
-        return last or (unfinished is not None and not bool(unfinished.any()))
+        done = last or (unfinished is not None and not bool(unfinished.any()))
+        if not done and self.commit and self.cache is not None:
+            self.cache.crop(0)
+        return done
 
     def finish(self) -> int:
         """Flush what is held back; return how many of the last steps the driver must drop."""
@@ -86,9 +95,7 @@ class DeferredStopCheck(StopCheck):
         generator: torch.Generator | None = None,
         streamer: Streamer | None = None,
     ) -> None:
-        super().__init__(streamer)
-        self.cache = cache
-        self.commit = commit
+        super().__init__(streamer, cache=cache, commit=commit)
         self.generator = generator
         self.slots = (_Slot(batch_size, device), _Slot(batch_size, device))
         self.step = 0  # steps seen so far; slot `step % 2` receives the current one
