@@ -10,8 +10,10 @@ from typing_extensions import Self
 
 from .errors import CacheInputError, KVCacheError
 from .layer_types import build_layer
-from .layers.base import CacheLayer, check_repeats, index_layers_batch
+from .layers.base import CacheLayer, index_layers_batch
+from .layers.kv_buffer import check_kv_pair
 from .layers.static import StaticLayer
+from .validation import MAX_NEW_LAYERS, check_layer_idx, check_query_length, check_repeats, crop_amount
 
 
 class Cache:
@@ -28,8 +30,12 @@ class Cache:
         *,
         layer_factory: Callable[[], CacheLayer] | None = None,
     ) -> None:
-        if layers is not None and not all(isinstance(layer, CacheLayer) for layer in layers):
-            raise CacheInputError("Cache(layers=...) takes CacheLayer instances")
+        if layers is not None and (
+            not isinstance(layers, (list, tuple)) or not all(isinstance(layer, CacheLayer) for layer in layers)
+        ):
+            raise CacheInputError(f"Cache(layers=...) takes a list of CacheLayer instances, got {layers!r}"[:200])
+        if layer_factory is not None and not callable(layer_factory):
+            raise CacheInputError(f"layer_factory must be callable, got {layer_factory!r}"[:200])
         self.layers: list[CacheLayer] = list(layers) if layers is not None else []
         self.layer_factory = layer_factory
         self._record_new_layers = False  # set by activate_past_recording: lazily created layers record too
@@ -48,9 +54,13 @@ class Cache:
         return f"{type(self).__name__}(layers={self.layers})"
 
     def _layer(self, layer_idx: int, *, create: bool = False) -> CacheLayer:
-        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:
-            raise CacheInputError(f"layer_idx must be a non-negative int, got {layer_idx!r}")
+        check_layer_idx(layer_idx)
         if create and self.layer_factory is not None:
+            if layer_idx - len(self.layers) >= MAX_NEW_LAYERS:
+                raise CacheInputError(
+                    f"layer_idx {layer_idx}: a lazy cache of {len(self.layers)} layer(s) builds at most "
+                    f"{MAX_NEW_LAYERS} new layers at once"
+                )
             while len(self.layers) <= layer_idx:
                 layer = self.layer_factory()
                 if self._record_new_layers:
@@ -84,6 +94,9 @@ class Cache:
         """Append keys/values to layer `layer_idx`; return what its attention must see.
 
         Extra keyword arguments (transformers' BART/T5 pass `kwargs=`) are accepted and ignored."""
+        check_layer_idx(layer_idx)
+        if self.layer_factory is not None and layer_idx >= len(self.layers):
+            check_kv_pair(key_states, value_states, "Cache")  # before building layers for it
         layers_before = len(self.layers)
         layer = self._layer(layer_idx, create=True)
         try:
@@ -102,7 +115,7 @@ class Cache:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens seen by layer `layer_idx` (0 for a layer not created yet)."""
-        if layer_idx >= len(self.layers):
+        if check_layer_idx(layer_idx) >= len(self.layers):
             return 0
         return self._layer(self._first_attention_idx(layer_idx)).get_seq_length()
 
@@ -112,9 +125,8 @@ class Cache:
 
     def get_mask_sizes(self, query_length: int | torch.Tensor, layer_idx: int) -> tuple[int, int]:
         """`(kv_length, kv_offset)` for the attention mask of layer `layer_idx`."""
-        if isinstance(query_length, torch.Tensor):  # older callers pass cache_position
-            query_length = query_length.shape[0]
-        if layer_idx >= len(self.layers):
+        query_length = check_query_length(query_length)  # older callers pass cache_position (a tensor)
+        if check_layer_idx(layer_idx) >= len(self.layers):
             return query_length, 0
         return self._attention_layer(self._first_attention_idx(layer_idx), "get_mask_sizes").get_mask_sizes(
             query_length
@@ -124,7 +136,7 @@ class Cache:
         """Most tokens layer `layer_idx` (or any layer) can hold; -1 when unbounded."""
         if layer_idx is None:
             return max((layer.get_max_length() for layer in self.layers), default=-1)
-        if layer_idx >= len(self.layers):
+        if check_layer_idx(layer_idx) >= len(self.layers):
             return -1
         return self._layer(layer_idx).get_max_length()
 
@@ -163,7 +175,7 @@ class Cache:
             if not recurrent:
                 return False
             layer_idx = recurrent[-1]
-        elif layer_idx >= len(self.layers):
+        elif check_layer_idx(layer_idx) >= len(self.layers):
             return False
         return self._recurrent_layer(layer_idx, "has_previous_state").has_previous_state(state_idx)
 
@@ -180,6 +192,7 @@ class Cache:
 
     def check_crop(self, tokens_to_remove: int) -> None:
         """Raise `RollbackError` unless every layer can `crop(tokens_to_remove)` exactly."""
+        crop_amount(tokens_to_remove)  # also on a cache with no layers yet
         for layer in self.layers:
             layer.check_crop(tokens_to_remove)
 
@@ -197,7 +210,7 @@ class Cache:
 
     def is_recording_past(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` is recording (False for a layer not created yet)."""
-        return layer_idx < len(self.layers) and self._layer(layer_idx).record_past
+        return check_layer_idx(layer_idx) < len(self.layers) and self._layer(layer_idx).record_past
 
     # ------------------------------------------------------------------------------- batch
     @property
@@ -269,8 +282,8 @@ class DynamicCache(Cache):
 
             super().__init__(layer_factory=DynamicLayer)
         else:
-            if isinstance(layer_types, str):
-                raise CacheInputError("layer_types must be a sequence of layer-type names, not one string")
+            if not isinstance(layer_types, (list, tuple)) or not all(isinstance(t, str) for t in layer_types):
+                raise CacheInputError(f"layer_types must be a list of layer-type names, got {layer_types!r}"[:200])
             layers = [build_layer(t, sliding_window=sliding_window, num_states=num_states) for t in layer_types]
             super().__init__(layers)
 

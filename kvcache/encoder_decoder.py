@@ -9,7 +9,8 @@ from typing_extensions import Self
 
 from .cache import Cache
 from .errors import CacheInputError, KVCacheError
-from .layers.base import CacheLayer, check_repeats, index_layers_batch
+from .layers.base import CacheLayer, index_layers_batch
+from .validation import check_repeats
 
 
 class EncoderDecoderCache:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCENARIOS = ["append", "rollback", "memory", "persistence", "generation"]
+SCENARIOS = ["append", "rollback", "memory", "persistence", "generation", "first_step"]
 
 sys.path.insert(0, str(ROOT))
 from benchmarks.common import Section, Table, Target, Timing, jsonable, rotate, write_json  # noqa: E402
@@ -74,7 +74,7 @@ def test_smoke_run_writes_well_formed_results(smoke: tuple[subprocess.CompletedP
     proc, out = smoke
     assert proc.returncode == 0, proc.stderr[-3000:]
     payload = check_results(proc.stdout, out, "smoke")
-    for heading in ("## 1.", "## 2.", "## 3.", "## 4.", "## 5.", "## Targets"):
+    for heading in ("## 1.", "## 2.", "## 3.", "## 4.", "## 5.", "## 6.", "## Targets"):
         assert heading in proc.stdout
     timings = timings_in([s["figures"] for s in payload["scenarios"].values()])
     assert len(timings) > 50

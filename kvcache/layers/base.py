@@ -9,7 +9,8 @@ from typing import Any, ClassVar
 import torch
 from typing_extensions import Self
 
-from ..errors import CacheInputError, RollbackError
+from ..errors import RollbackError
+from ..validation import check_batch_index, check_repeats, crop_amount
 
 #: Every concrete layer class by its name. Loading a file builds only classes found here.
 LAYER_REGISTRY: dict[str, type[CacheLayer]] = {}
@@ -95,7 +96,7 @@ class CacheLayer(ABC):
 
     def check_crop(self, tokens_to_remove: int) -> None:
         """Raise `RollbackError` unless `crop(tokens_to_remove)` would succeed exactly."""
-        n = _crop_amount(tokens_to_remove)
+        n = crop_amount(tokens_to_remove)
         if n > self.max_rollback:
             raise RollbackError(
                 f"{type(self).__name__} cannot remove {n} token(s): at most {self.max_rollback} "
@@ -150,19 +151,8 @@ class CacheLayer(ABC):
             self._index_batch(torch.arange(self.batch_size).repeat_interleave(repeats))
 
     def check_batch_index(self, index: Any, name: str) -> torch.Tensor:
-        """Validate a 1-D integer batch index against the held batch size; return it as a tensor."""
-        try:
-            index = torch.as_tensor(index)
-        except (TypeError, ValueError, RuntimeError) as exc:
-            raise CacheInputError(f"{name} must be a 1-D integer tensor, got {type(index).__name__}") from exc
-        if index.dim() != 1 or index.dtype == torch.bool or index.is_floating_point() or index.is_complex():
-            raise CacheInputError(
-                f"{name} must be a 1-D integer tensor, got {index.dtype} of shape {tuple(index.shape)}"
-            )
-        size = self.batch_size
-        if size is not None and index.numel() and (int(index.min()) < 0 or int(index.max()) >= size):
-            raise CacheInputError(f"{name} holds values outside [0, {size}) (batch size of the cache)")
-        return index
+        """Validate a 1-D integer batch index against the held batch size; return it as int64."""
+        return check_batch_index(index, name, self.batch_size)
 
     # ------------------------------------------------------------------------------ persistence
     @property
@@ -198,29 +188,11 @@ class CacheLayer(ABC):
         return f"{type(self).__name__}({params})"
 
 
-def check_repeats(repeats: Any) -> int:
-    """Validate a `batch_repeat_interleave` argument."""
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise CacheInputError(f"repeats must be a positive int, got {repeats!r}")
-    return repeats
-
-
 def index_layers_batch(layers: Iterable[CacheLayer], index: Any, name: str) -> None:
     """Apply a batch index to every layer, after checking it against all of them (so a bad index
-    changes nothing anywhere)."""
+    changes nothing anywhere; an empty composite checks its form all the same)."""
     layers = list(layers)
+    check_batch_index(index, name, None)
     checked = [layer.check_batch_index(index, name) for layer in layers]
     for layer, idx in zip(layers, checked, strict=True):
         layer._index_batch(idx)
-
-
-def _crop_amount(tokens_to_remove: Any) -> int:
-    """Validate a `crop` argument and return the number of tokens it removes."""
-    if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
-        raise RollbackError(f"crop takes a non-positive int, got {tokens_to_remove!r}")
-    if tokens_to_remove > 0:
-        raise RollbackError(
-            f"crop({tokens_to_remove}): a positive argument is not supported; "
-            "pass -n to remove the last n tokens, or 0 to commit"
-        )
-    return -tokens_to_remove

@@ -8,6 +8,7 @@ import torch
 from typing_extensions import Self
 
 from ..errors import CacheInputError
+from ..validation import check_query_length
 from .base import CacheLayer, register_layer
 from .kv_buffer import KVBuffer
 
@@ -45,6 +46,7 @@ class DynamicLayer(CacheLayer):
         return len(self._kv)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        query_length = check_query_length(query_length)
         return len(self._kv) + query_length, 0
 
     @property

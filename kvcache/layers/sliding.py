@@ -8,6 +8,7 @@ import torch
 from typing_extensions import Self
 
 from ..errors import CacheInputError
+from ..validation import check_query_length
 from .base import register_layer
 from .dynamic import DynamicLayer, nonneg_int
 
@@ -56,6 +57,7 @@ class SlidingWindowLayer(DynamicLayer):
         return self._seen
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        query_length = check_query_length(query_length)
         return min(self._seen, self._working_size) + query_length, max(self._seen - self._working_size, 0)
 
     def get_max_length(self) -> int:

@@ -8,6 +8,7 @@ import torch
 from typing_extensions import Self
 
 from ..errors import CacheInputError, CacheOverflowError
+from ..validation import check_query_length
 from .base import CacheLayer, register_layer
 from .dynamic import check_loaded_pair, nonneg_int
 from .kv_buffer import check_kv_pair, check_matches
@@ -102,6 +103,7 @@ class StaticLayer(CacheLayer):
         return self._length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        query_length = check_query_length(query_length)
         return self.max_cache_len, 0
 
     def get_max_length(self) -> int:

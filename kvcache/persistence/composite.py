@@ -97,6 +97,8 @@ def _describe_layers(cache: Cache, prefix: str, tensors: dict[str, torch.Tensor]
                 raise CacheInputError(f"{at}: state must map names to tensors, got {state_name!r}")
             if tensor.layout != torch.strided:
                 raise CacheInputError(f"{at}: tensor {state_name!r} is not dense ({tensor.layout})")
+            if tensor.device.type == "meta":
+                raise CacheInputError(f"{at}: tensor {state_name!r} is on the meta device and holds no data to save")
             specs[state_name] = {"dtype": dtype_name(tensor.dtype, f"{at} {state_name}"), "shape": list(tensor.shape)}
             tensors[f"{prefix}layers.{i}.{state_name}"] = tensor
         entries.append({"class": name, "meta_state": _layer_meta(layer, at), "tensors": specs})

@@ -25,9 +25,16 @@ FORMAT_VERSION = 2
 KEYS = ("format", "format_version", "cache", "user", "integrity", "sha256")
 
 
-def check_json_value(value: Any, where: str) -> None:
+#: How deeply metadata may nest (JSON readers, ours included, recurse per level).
+MAX_JSON_DEPTH = 64
+
+
+def check_json_value(value: Any, where: str, depth: int = 0) -> None:
     """Raise `CacheInputError` unless `value` is plain JSON: None, bool, int, finite float, str,
-    list, or dict with str keys (tuples and tensors are refused so a round trip gives equal values)."""
+    list, or dict with str keys, nested at most `MAX_JSON_DEPTH` deep (tuples and tensors are
+    refused so a round trip gives equal values)."""
+    if depth > MAX_JSON_DEPTH:
+        raise CacheInputError(f"{where}: nested deeper than {MAX_JSON_DEPTH} levels")
     if value is None or isinstance(value, (bool, int, str)):
         return
     if isinstance(value, float):
@@ -36,13 +43,13 @@ def check_json_value(value: Any, where: str) -> None:
         return
     if isinstance(value, list):
         for i, item in enumerate(value):
-            check_json_value(item, f"{where}[{i}]")
+            check_json_value(item, f"{where}[{i}]", depth + 1)
         return
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
                 raise CacheInputError(f"{where}: key {key!r} is not a str")
-            check_json_value(item, f"{where}[{key!r}]")
+            check_json_value(item, f"{where}[{key!r}]", depth + 1)
         return
     hint = " (use .tolist())" if hasattr(value, "tolist") else " (use a list)" if isinstance(value, tuple) else ""
     raise CacheInputError(f"{where}: {type(value).__name__} is not a JSON value{hint}")

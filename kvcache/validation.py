@@ -1,0 +1,93 @@
+"""One validation path per kind of argument, shared by every layer and composite.
+
+Each function takes what a caller passed and returns it in the form the caches use, or raises the
+package's own error naming the argument and what was wrong. Layers and composites call these
+before changing anything, in every state (empty, lazy, recording, committed).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .errors import CacheInputError, RollbackError
+
+#: A lazy cache builds the layers up to an index it is given; it refuses to build more than this
+#: many at once (transformers' largest models have ~100 layers; a huge index is a caller's bug).
+MAX_NEW_LAYERS = 4096
+#: Integer dtypes accepted as batch indices (bool and uint8 index tensors mean masks to torch).
+INDEX_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_layer_idx(layer_idx: Any) -> int:
+    """A layer index: a non-negative int (not a bool)."""
+    if not _is_int(layer_idx) or layer_idx < 0:
+        raise CacheInputError(f"layer_idx must be a non-negative int, got {layer_idx!r}")
+    return layer_idx
+
+
+def check_query_length(query_length: Any) -> int:
+    """`get_mask_sizes`' query length: a non-negative int, or a 1-D tensor of positions (its length)."""
+    if isinstance(query_length, torch.Tensor):
+        if query_length.dim() != 1:
+            shape = tuple(query_length.shape)
+            raise CacheInputError(f"query_length as a tensor must be 1-D positions, got shape {shape}")
+        return query_length.shape[0]
+    if not _is_int(query_length) or query_length < 0:
+        raise CacheInputError(f"query_length must be a non-negative int, got {query_length!r}")
+    return query_length
+
+
+def crop_amount(tokens_to_remove: Any) -> int:
+    """A `crop` argument: -n removes n tokens, 0 commits; returns n."""
+    if not _is_int(tokens_to_remove):
+        raise RollbackError(f"crop takes a non-positive int, got {tokens_to_remove!r}")
+    if tokens_to_remove > 0:
+        raise RollbackError(
+            f"crop({tokens_to_remove}): a positive argument is not supported; "
+            "pass -n to remove the last n tokens, or 0 to commit"
+        )
+    return -tokens_to_remove
+
+
+def check_repeats(repeats: Any) -> int:
+    """A `batch_repeat_interleave` argument: a positive int."""
+    if not _is_int(repeats) or repeats < 1:
+        raise CacheInputError(f"repeats must be a positive int, got {repeats!r}")
+    return repeats
+
+
+def check_batch_index(index: Any, name: str, batch_size: int | None) -> torch.Tensor:
+    """A batch index (`reorder_cache`, `batch_select_indices`): a 1-D integer tensor (or list) of rows
+    in `[0, batch_size)`, returned as int64. Bool and uint8 tensors are refused: torch would read
+    them as masks."""
+    if isinstance(index, torch.Tensor):
+        tensor = index
+    else:
+        if isinstance(index, (str, bytes)) or index is None:
+            raise CacheInputError(f"{name} must be a 1-D integer tensor, got {type(index).__name__}")
+        try:
+            tensor = torch.as_tensor(index)
+        except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+            raise CacheInputError(f"{name} must be a 1-D integer tensor, got {type(index).__name__}") from exc
+        if tensor.numel() == 0:
+            tensor = tensor.long()
+    if tensor.dtype not in INDEX_DTYPES or tensor.dim() != 1:
+        hint = " (a mask? pass the row numbers, e.g. mask.nonzero().squeeze(1))" if tensor.dtype in (
+            torch.bool, torch.uint8) else ""  # fmt: skip
+        raise CacheInputError(
+            f"{name} must be a 1-D integer tensor, got {tensor.dtype} of shape {tuple(tensor.shape)}{hint}"
+        )
+    if tensor.device.type == "meta":
+        raise CacheInputError(f"{name} is on the meta device: it holds no row numbers")
+    tensor = tensor.to(torch.long)
+    if batch_size is not None and tensor.numel():
+        low, high = int(tensor.min()), int(tensor.max())
+        if low < 0 or high >= batch_size:
+            raise CacheInputError(f"{name} holds values outside [0, {batch_size}) (batch size of the cache)")
+    return tensor
