@@ -50,7 +50,8 @@ def feed(cache: Cache, steps: int = 2, batch: int = 2) -> Cache:
 
 def snapshot(cache: Any) -> Any:
     """Everything observable about a cache: per layer its class, meta_state and tensors (cloned)."""
-    parts = [cache.self_attention_cache, cache.cross_attention_cache] if isinstance(cache, EncoderDecoderCache) else [cache]
+    encoder_decoder = isinstance(cache, EncoderDecoderCache)
+    parts = [cache.self_attention_cache, cache.cross_attention_cache] if encoder_decoder else [cache]
     out = []
     for part in parts:
         out.append([(type(layer).__name__, repr(layer.meta_state), {k: v.clone() for k, v in layer.state.items()})
@@ -229,8 +230,9 @@ def test_every_composite_method_with_arbitrary_values(kind: str, state: str, met
 
 
 def _layer(kind: str, state: str) -> Any:
-    layer = {"dynamic": DynamicLayer, "sliding": lambda: SlidingWindowLayer(3), "static": lambda: StaticLayer(8),
-             "recurrent": RecurrentLayer, "hybrid": lambda: HybridLayer(DynamicLayer(), RecurrentLayer())}[kind]()  # fmt: skip
+    makers = {"dynamic": DynamicLayer, "sliding": lambda: SlidingWindowLayer(3), "static": lambda: StaticLayer(8),
+              "recurrent": RecurrentLayer, "hybrid": lambda: HybridLayer(DynamicLayer(), RecurrentLayer())}  # fmt: skip
+    layer = makers[kind]()
     if state != "empty":
         for step in range(2):
             if state == "recording" and step == 1:
