@@ -127,7 +127,11 @@ class Cache:
         """`(kv_length, kv_offset)` for the attention mask of layer `layer_idx`."""
         query_length = check_query_length(query_length)  # older callers pass cache_position (a tensor)
         if check_layer_idx(layer_idx) >= len(self.layers):
-            return query_length, 0
+            # not built yet: answer as the layer the first update will build (a static one: max_cache_len)
+            fresh = self.layer_factory() if self.layer_factory is not None else None
+            if fresh is None or not fresh.has_attention:
+                return query_length, 0
+            return fresh.get_mask_sizes(query_length)
         return self._attention_layer(self._first_attention_idx(layer_idx), "get_mask_sizes").get_mask_sizes(
             query_length
         )
@@ -137,7 +141,7 @@ class Cache:
         if layer_idx is None:
             return max((layer.get_max_length() for layer in self.layers), default=-1)
         if check_layer_idx(layer_idx) >= len(self.layers):
-            return -1
+            return -1 if self.layer_factory is None else self.layer_factory().get_max_length()
         return self._layer(layer_idx).get_max_length()
 
     # -------------------------------------------------------------------------- recurrent

@@ -56,7 +56,18 @@ class EncoderDecoderCache:
         cache_kwargs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append decoder self-attention keys/values (cross keys/values go to `cross_attention_cache`)."""
+        """Append decoder self-attention keys/values (cross keys/values go to `cross_attention_cache`).
+
+        transformers' encoder-decoder attention (Bart, T5, ...) calls this with `kwargs=` for self- and
+        cross-attention alike, since it routes cross-attention only for its own `EncoderDecoderCache`
+        type: the cross keys would land in the self-attention layers and the logits would be wrong.
+        Such a call is refused; `as_transformers_cache(cache)` is what those models take."""
+        if "kwargs" in kwargs:
+            raise CacheInputError(
+                "a transformers encoder-decoder model cannot use a kvcache EncoderDecoderCache directly (it "
+                "would append cross-attention keys to the self-attention layers): pass "
+                "kvcache.integrations.transformers.as_transformers_cache(cache) as cache= / past_key_values="
+            )
         return self.self_attention_cache.update(key_states, value_states, layer_idx)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

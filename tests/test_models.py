@@ -294,3 +294,16 @@ def test_dynamic_cache_without_layer_types_also_works():
     with torch.no_grad():
         got = run_chunks(model, ids, [4, 4], cache=DynamicCache())
         assert torch.allclose(got, model(ids), atol=ATOL, rtol=RTOL)
+
+
+@torch.no_grad()
+def test_a_lazy_static_cache_answers_mask_sizes_as_the_layer_it_will_build():
+    """Before its layers exist, a lazy StaticCache sizes masks as a StaticLayer (max_cache_len), so
+    the first forward attends over what the layer then returns."""
+    cache = StaticCache(64)
+    assert cache.get_mask_sizes(17, 0) == (64, 0) and cache.get_max_length(0) == 64
+    model = decoder(("full_attention", "full_attention"))
+    ids = tokens(2, 17)
+    got = model(ids, cache=cache)
+    assert torch.allclose(got, model(ids), atol=ATOL, rtol=RTOL)
+    assert len(cache.layers) == 2 and cache.get_seq_length() == 17

@@ -18,7 +18,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", minversion="5.24")
 
-from kvcache import Cache, CacheInputError, DynamicLayer, SlidingWindowLayer  # noqa: E402
+from kvcache import Cache, CacheInputError, DynamicLayer, KVCacheError, SlidingWindowLayer  # noqa: E402
 from kvcache.encoder_decoder import EncoderDecoderCache  # noqa: E402
 from kvcache.generation import generate  # noqa: E402
 from kvcache.integrations.transformers import (  # noqa: E402
@@ -399,3 +399,54 @@ def test_generate_given_an_unwrapped_transformers_model_says_to_wrap_it() -> Non
 
     with pytest.raises(GenerationError, match=r"wrap_model\(model\)"):
         generate(tiny_model("llama"), prompt(), max_new_tokens=2)
+
+
+@pytest.mark.parametrize("kind", ["bart", "t5"])
+def test_a_raw_encoder_decoder_cache_fails_at_first_use_not_silently(kind: str) -> None:
+    """transformers routes cross-attention only for its own EncoderDecoderCache type, so a raw kvcache
+    one would get cross keys appended to its self-attention layers (wrong logits, no error). It is
+    refused at the first update, saying what to pass instead; the adapter gives transformers' logits."""
+    model, source = tiny_model(kind), prompt()
+    decoder = first_tokens(model, source)
+    raw = cache_from_config(model.config)
+    with torch.no_grad(), pytest.raises(KVCacheError, match="as_transformers_cache"):
+        model(input_ids=source, decoder_input_ids=decoder, cache=raw)
+    assert raw.get_seq_length() == 0
+    with torch.no_grad():
+        ours = model(input_ids=source, decoder_input_ids=decoder, cache=as_transformers_cache(raw)).logits
+        theirs = model(input_ids=source, decoder_input_ids=decoder, cache=hf_cache(model)).logits
+    assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("kind", ["bart", "t5", "llama", "qwen3_next"])
+def test_copies_of_adapters_are_consistent_forks(kind: str) -> None:
+    """copy.deepcopy of an adapter (transformers' way to reuse a prompt cache) forks the kvcache cache
+    once, so both halves of an encoder-decoder adapter point into the same fork; copy.copy shares."""
+    import copy
+
+    model, source = tiny_model(kind), prompt()
+    adapter = as_transformers_cache(cache_from_config(model.config))
+    step = Stepper(model, adapter, source)
+    step(first_tokens(model, source))
+    fork = copy.deepcopy(adapter)
+    assert fork.cache is not adapter.cache
+    if model.config.is_encoder_decoder:
+        assert fork.self_attention_cache.cache is fork.cache.self_attention_cache
+        assert fork.cross_attention_cache.cache is fork.cache.cross_attention_cache
+    assert copy.copy(adapter).cache is adapter.cache
+    more = torch.randint(3, VOCAB, (2, 3), generator=torch.Generator().manual_seed(4))
+    original_logits = Stepper(model, adapter, source)(more)
+    fork_logits = Stepper(model, fork, source)(more)
+    assert torch.equal(original_logits, fork_logits)
+    assert fork.get_seq_length() == adapter.get_seq_length()
+
+
+def test_save_cache_accepts_an_adapter(tmp_path: Any) -> None:
+    from kvcache import load_cache, save_cache
+
+    model, source = tiny_model("qwen3_next"), prompt()
+    adapter = as_transformers_cache(cache_from_config(model.config))
+    Stepper(model, adapter, source)(source)
+    save_cache(adapter, tmp_path / "a.safetensors")
+    loaded = load_cache(tmp_path / "a.safetensors")
+    assert type(loaded) is type(adapter.cache) and loaded.get_seq_length() == adapter.cache.get_seq_length()

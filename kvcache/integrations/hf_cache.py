@@ -156,6 +156,21 @@ class TransformersEncoderDecoderCache(HFEncoderDecoderCache):
         return self.cache.get_seq_length(layer_idx)
 
 
+def _copy_adapter(self: Any) -> Any:
+    """`copy.copy`: another adapter over the same kvcache cache (shares its contents, as a shallow copy does)."""
+    return type(self)(self.cache)
+
+
+def _deepcopy_adapter(self: Any, memo: dict[int, Any]) -> Any:
+    """`copy.deepcopy`: an adapter over one independent copy of the kvcache cache, so both halves of an
+    encoder-decoder adapter point into the same fork (transformers' way to reuse a prompt cache)."""
+    return type(self)(self.cache.copy())
+
+
+for _adapter in (TransformersCache, TransformersEncoderDecoderCache):
+    _adapter.__copy__ = _copy_adapter  # type: ignore[method-assign]
+    _adapter.__deepcopy__ = _deepcopy_adapter  # type: ignore[method-assign]
+
 #: Whole-cache operations both adapters hand to the kvcache cache unchanged.
 _FORWARDED_METHODS = (
     "crop", "activate_past_recording", "reset", "reorder_cache", "batch_repeat_interleave", "batch_select_indices"

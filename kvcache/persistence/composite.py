@@ -57,7 +57,13 @@ def describe_cache(cache: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
     return _describe(cache, "", tensors), tensors
 
 
+#: The transformers adapters (`kvcache.integrations.transformers`): saving one saves the cache it wraps.
+_ADAPTERS = ("TransformersCache", "TransformersEncoderDecoderCache")
+
+
 def _describe(cache: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    if type(cache).__name__ in _ADAPTERS and type(cache).__module__.startswith("kvcache."):
+        cache = cache.cache
     kind = composite_kinds().get(type(cache).__name__)
     if kind is None or type(cache) is not kind.cls:
         wrapped = getattr(cache, "cache", None)  # e.g. the transformers adapter around a kvcache cache
