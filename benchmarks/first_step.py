@@ -25,23 +25,18 @@ from kvcache import DynamicCache, load_cache, save_cache
 try:
     from .common import Section, Table, Target, Timing, ratio, rotate_timings, timed_after
     from .kinds import transformers_version
+    from .persistence import HEAD_DIM, HEADS, build_cache
 except ImportError:  # run as a script
     from common import Section, Table, Target, Timing, ratio, rotate_timings, timed_after  # type: ignore[no-redef]
     from kinds import transformers_version  # type: ignore[no-redef]
-
-HEADS, HEAD_DIM = 8, 128
+    from persistence import HEAD_DIM, HEADS, build_cache  # type: ignore[no-redef]
 SIZES = {"smoke": (2, 256, 3), "quick": (8, 1024, 5), "full": (32, 4096, 7)}  # (layers, tokens, repeats)
 #: The issue's target: a first step within this factor of the steady step.
 WITHIN = 2.0
 
 
 def _prefilled(layers: int, tokens: int) -> DynamicCache:
-    cache = DynamicCache()
-    gen = torch.Generator().manual_seed(0)
-    for idx in range(layers):
-        keys = torch.randn(1, HEADS, tokens, HEAD_DIM, generator=gen)
-        cache.update(keys, keys * 0.5, idx)
-    return cache
+    return build_cache(tokens, layers)
 
 
 def _step(cache: Any, layers: int) -> None:

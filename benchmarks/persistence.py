@@ -38,10 +38,11 @@ except ImportError:  # run as a script: python benchmarks/persistence.py
 LAYERS, HEADS, HEAD_DIM = 24, 8, 128
 
 
-def build_cache(tokens: int) -> DynamicCache:
+def build_cache(tokens: int, layers: int = LAYERS) -> DynamicCache:
+    """A DynamicCache of `layers` x [1, HEADS, tokens, HEAD_DIM] fp32 keys/values, prefilled in one update."""
     cache = DynamicCache()
     gen = torch.Generator().manual_seed(0)
-    for idx in range(LAYERS):
+    for idx in range(layers):
         keys = torch.randn(1, HEADS, tokens, HEAD_DIM, generator=gen)
         cache.update(keys, keys * 0.5, idx)
     return cache
