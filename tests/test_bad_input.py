@@ -128,6 +128,12 @@ def test_errors_are_kvcache_errors_that_blame_the_right_thing(tmp_path: Any) -> 
     with pytest.raises(CacheInputError, match="nested deeper"):
         save_cache(DynamicCache(), tmp_path / "d.safetensors", metadata={"deep": deep})
     assert not list(tmp_path.iterdir())
+    from kvcache import load_cache
+
+    save_cache(feed(mixed()), tmp_path / "ok.safetensors")
+    assert load_cache(tmp_path / "ok.safetensors", device="cpu:0").get_seq_length() == 2  # not "invalid file"
+    with pytest.raises(CacheInputError, match="device"):
+        load_cache(tmp_path / "ok.safetensors", device="no-such-device")
     for make in (lambda: Cache(5), lambda: DynamicCache(5), lambda: Cache([DynamicLayer(), 3]),
                  lambda: DynamicCache("full_attention"), lambda: Cache(layer_factory=5)):  # fmt: skip
         with pytest.raises(CacheInputError):

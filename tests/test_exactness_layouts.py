@@ -66,15 +66,17 @@ def _selected(cache: Any) -> Any:
 
 
 @pytest.mark.parametrize("fork", sorted(FORKS))
-@pytest.mark.parametrize("prefill", [64, 100])  # 64: storage exactly full after a power-of-two prefill
+@pytest.mark.parametrize("decoded", [0, 40], ids=["before regrowth", "after regrowth"])
+@pytest.mark.parametrize("prefill", [64, 100])  # 64: a power-of-two prefill
 @pytest.mark.parametrize("kind", sorted(MODELS))
-def test_forked_cache_continues_bitwise(kind: str, prefill: int, fork: str, threads: int, tmp_path: Path) -> None:
+def test_forked_cache_continues_bitwise(kind: str, prefill: int, decoded: int, fork: str, threads: int,
+                                        tmp_path: Path) -> None:  # fmt: skip
     model = MODELS[kind]()
-    ids = tokens(2, prefill + 40, seed=3)
+    ids = tokens(2, prefill + decoded + 1, seed=3)
     original = model.new_cache()
     with torch.no_grad():
         model(ids[:, :prefill], cache=original)
-        for i in range(prefill, prefill + 40):  # decode past a regrowth of the storage
+        for i in range(prefill, prefill + decoded):  # 40 steps: past a regrowth of the storage
             model(ids[:, i : i + 1], cache=original)
     forked = FORKS[fork](original, tmp_path)
     assert layouts(forked) == layouts(original)

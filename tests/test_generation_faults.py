@@ -133,3 +133,39 @@ def test_generate_continues_a_static_cache_it_returned() -> None:
     first = generate(model, prompt, cache=StaticCache(64, num_layers=2), max_new_tokens=5)
     more = generate(model, first.sequences, cache=first.cache, max_new_tokens=5)
     assert torch.equal(more.sequences, whole.sequences)
+
+
+class InPlaceStateModel:
+    """A one-layer recurrent model that overwrites its held state in place and hands the same tensor
+    back (legal, but it destroys the state before the step, so that step cannot be undone)."""
+
+    vocab_size = VOCAB
+
+    def new_cache(self) -> Cache:
+        from kvcache import RecurrentLayer
+
+        return Cache([RecurrentLayer()])
+
+    def __call__(self, input_ids: torch.Tensor, *, cache: Cache, **kwargs: Any) -> torch.Tensor:
+        state = cache.get_recurrent_state(0)
+        step = input_ids.float().sum(dim=1, keepdim=True)
+        if state is None:
+            cache.update_recurrent_state(step, 0, num_tokens=input_ids.shape[1])
+        else:
+            state.mul_(0.5).add_(step)  # in place
+            cache.update_recurrent_state(state, 0, num_tokens=input_ids.shape[1])
+        held = cache.get_recurrent_state(0)
+        logits = torch.arange(VOCAB, dtype=torch.float32) * held[:, :1] % 7
+        return logits[:, None, :].expand(-1, input_ids.shape[1], -1)
+
+
+def test_defer_stop_true_refuses_a_model_that_overwrites_states_in_place() -> None:
+    """Found by the recorded probe step before the prefill, not after the whole decode has streamed."""
+    model = InPlaceStateModel()
+    cache, streamer = model.new_cache(), TokenCollector()
+    prompt = torch.randint(2, VOCAB, (1, 5), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(GenerationError, match="defer_stop=True"):
+        generate(model, prompt, cache=cache, max_new_tokens=6, defer_stop=True, streamer=streamer)
+    assert streamer.steps == [] and cache.get_seq_length() == 0
+    out = generate(model, prompt, cache=cache, max_new_tokens=6, streamer=streamer)  # the immediate check works
+    assert len(streamer.steps) == 6 and out.cache.get_seq_length() == prompt.shape[1] + 5
