@@ -386,9 +386,9 @@ def memory_scenario(mode: str) -> Section:
             worst <= 1.0 + 1e-9,
             ""
             if worst <= 1.0 + 1e-9
-            else f"misses by {worst:.2f}x: storage for {capacity} tokens, the growth buffer's capacity left by the "
-            f"{2 * WINDOW}-token prefill (blocks of 256 tokens, doubled on regrowth, shrunk only when over 4x); "
-            "it is there before recording starts, and recording fills it without allocating",
+            else f"misses by {worst:.2f}x: storage for {capacity} tokens, the growth buffer's headroom (1.25x the "
+            "kept tokens, in 64-token blocks, so appends stay flat); it is there before recording starts, and "
+            "recording fills it without allocating",
         )
     )
 
