@@ -463,3 +463,32 @@ def test_sampling_rule_matches_target_distribution(drafter, temperature, top_k, 
         pooled_draft = [draft_dist[s] * runs for s in big] + [sum(draft_dist[s] for s in small) * runs]
         expected_wrong = sum((d - w) ** 2 / w for d, w in zip(pooled_draft, wanted, strict=True))
         assert expected_wrong > 5 * bound
+
+
+@pytest.mark.parametrize("kind", ["sliding", "hybrid"])
+def test_speculative_decoding_continues_given_caches_exactly(kind: str, tmp_path) -> None:
+    """`cache=` / `draft_cache=`: a second call continues the caches the first returned (or a loaded
+    prompt cache) and the greedy output is one long greedy run's."""
+    from kvcache import load_cache, save_cache
+    from kvcache.generation import ModelDrafter, generate, speculative_generate
+
+    target, draft = make_target(kind), make_target(kind, seed=1)  # a draft that agrees only sometimes
+    prompt = torch.randint(2, VOCAB, (1, 9), generator=torch.Generator().manual_seed(1))
+    whole = generate(target, prompt, max_new_tokens=16).sequences
+
+    first = speculative_generate(target, ModelDrafter(draft), prompt, num_draft_tokens=3, max_new_tokens=8)
+    second = speculative_generate(target, ModelDrafter(draft), first.sequences, num_draft_tokens=3, max_new_tokens=8,
+                                  cache=first.cache, draft_cache=first.draft_cache)  # fmt: skip
+    assert torch.equal(second.sequences, whole)
+    assert second.cache.get_seq_length() == whole.shape[1] - 1
+
+    built = generate(target, prompt, max_new_tokens=0)  # a saved prompt cache, loaded
+    save_cache(built.cache, tmp_path / "p.safetensors")
+    resumed = speculative_generate(target, ModelDrafter(draft), prompt, num_draft_tokens=3, max_new_tokens=16,
+                                   cache=load_cache(tmp_path / "p.safetensors"))  # fmt: skip
+    assert torch.equal(resumed.sequences, whole)
+
+    with pytest.raises(GenerationError, match="already holds"):
+        speculative_generate(target, ModelDrafter(draft), prompt[:, :3], max_new_tokens=2, cache=first.cache)
+    with pytest.raises(GenerationError, match="draft model"):
+        speculative_generate(target, PromptLookupDrafter(), prompt, max_new_tokens=2, draft_cache=first.draft_cache)

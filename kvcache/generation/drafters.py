@@ -108,18 +108,18 @@ class ModelDrafter(Drafter):
         device: torch.device,
         encoder_input_ids: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
     ) -> None:
+        """Prefill the draft model on `prompt` (its cache: `cache`, holding a prefix of it, or a new one)."""
         self._runner = ModelRunner(
             self.model,
             device=device,
             encoder_input_ids=encoder_input_ids,
             encoder_attention_mask=encoder_attention_mask,
             model_kwargs=self.model_kwargs,
+            cache=cache,
         )
-        if len(prompt) > 1:
-            self._runner.feed(prompt[:-1])  # prefill before recording: no rollback memory for the prompt
-        self._runner.start_recording()
-        self._runner.forwards = 0  # count drafting forwards only
+        self._runner.prefill(prompt)
 
     def propose(self, sequence: Sequence[int], num_tokens: int, pick: DraftPicker) -> Draft:
         runner = self._need_runner()

@@ -150,6 +150,8 @@ def speculative_generate(
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
     intermediate_states: bool | None = None,
+    cache: Cache | None = None,
+    draft_cache: Cache | None = None,
 ) -> SpeculativeOutput:
     """Decode `max_new_tokens` tokens (fewer at eos) from `target`, drafting with `draft`.
 
@@ -164,6 +166,10 @@ def speculative_generate(
     None = whenever the target supports it; False = never (rollback re-feeds the accepted tokens).
     Batch size 1 only (`attention_mask`, if given, must be all ones; for encoder-decoder targets it
     is the encoder mask).
+    `cache` / `draft_cache` continue existing caches of the target / the draft model (a loaded prompt
+    cache, or the `cache` and `draft_cache` a previous call returned), as `generate` does: pass the
+    whole sequence so far as `input_ids`; what a cache already holds is skipped. Decoder-only
+    targets; each cache is checked against its model before any work.
     """
     encoder_decoder = check_model(target)
     drafter = _as_drafter(target, draft, encoder_decoder)
@@ -176,23 +182,25 @@ def speculative_generate(
     check_generator(generator, device)
     verifier = _Verifier(Sampling(do_sample, temperature, top_k, top_p), generator)
     use_intermediate = _intermediate_states_switch(target, intermediate_states)
+    _check_given_caches(target, drafter, input_ids, cache, draft_cache, encoder_decoder)
 
     runner = ModelRunner(
         target,
         device=device,
         encoder_input_ids=input_ids if encoder_decoder else None,
         encoder_attention_mask=attention_mask if encoder_decoder else None,
+        cache=cache,
     )
     if encoder_decoder:
         sequence = [int(target.decoder_start_token_id)]
         drafter.start(sequence, device=device, encoder_input_ids=input_ids, encoder_attention_mask=attention_mask)
     else:
         sequence = input_ids[0].tolist()
-        drafter.start(sequence, device=device)
-    if len(sequence) > 1:
-        runner.feed(sequence[:-1])  # prefill before recording: the prompt costs no rollback memory
-    runner.start_recording()
-    runner.forwards = 0  # count decoding forwards only
+        if draft_cache is not None:
+            drafter.start(sequence, device=device, cache=draft_cache)  # type: ignore[call-arg]
+        else:
+            drafter.start(sequence, device=device)
+    runner.prefill(sequence)
     restore = use_intermediate(True)
     try:
         out = _decode(runner, drafter, verifier, sequence, num_draft_tokens, max_new_tokens, eos)
@@ -259,6 +267,23 @@ def _as_drafter(target: Any, draft: Any, encoder_decoder: bool) -> Drafter:
                 f"draft vocabulary ({drafter.vocab_size}) differs from the target's ({target.vocab_size})"
             )
     return drafter
+
+
+def _check_given_caches(
+    target: Any, drafter: Drafter, input_ids: torch.Tensor, cache: Any, draft_cache: Any, encoder_decoder: bool
+) -> None:
+    """Caches handed in must fit their models (as `generate` checks them) and hold less than the prompt."""
+    from .driver import _probe_cache
+    from .inputs import check_cache
+
+    if (cache is not None or draft_cache is not None) and encoder_decoder:
+        raise GenerationError("cache= / draft_cache= are for decoder-only targets")
+    if draft_cache is not None and not isinstance(drafter, ModelDrafter):
+        raise GenerationError(f"draft_cache= needs a draft model, but the drafter is a {type(drafter).__name__}")
+    for given, model in ((cache, target), (draft_cache, getattr(drafter, "model", None))):
+        if given is not None:
+            check_cache(given, batch_size=1, encoder_decoder=False, source_length=input_ids.shape[1])
+            _probe_cache(model, given, input_ids, input_ids, False, need_rollback=False)
 
 
 def _check_batch_one(input_ids: torch.Tensor, attention_mask: Any) -> None:

@@ -35,11 +35,12 @@ class ModelRunner:
         encoder_input_ids: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
         model_kwargs: dict[str, Any] | None = None,
+        cache: Any = None,
     ) -> None:
         self.model = model
         self.device = device
         self.is_encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
-        self.cache = model.new_cache()
+        self.cache = model.new_cache() if cache is None else cache
         self.tokens: list[int] = []
         self.forwards = 0  # model calls, re-feeds included
         self.refeeds = 0  # model calls spent on the re-feed fallback
@@ -80,6 +81,21 @@ class ModelRunner:
         self._step_sizes.append(n)
         self.forwards += 1
         return logits[0]
+
+    def prefill(self, prompt: Sequence[int]) -> None:
+        """Feed `prompt` but its last token, past what the cache already holds (a cache handed in
+        holds a prefix of it), then make that the commit point and start recording."""
+        held = getattr(self.cache, "self_attention_cache", self.cache).get_seq_length()
+        if held >= len(prompt):
+            raise GenerationError(
+                f"the cache already holds {held} token(s) but the sequence has {len(prompt)}: pass the whole "
+                "sequence so far; the cache's tokens are skipped"
+            )
+        self.tokens = [int(t) for t in prompt[:held]]
+        if held < len(prompt) - 1:
+            self.feed(prompt[held:-1])  # before recording: the prompt costs no rollback memory
+        self.start_recording()
+        self.forwards = 0  # count decoding forwards only
 
     def start_recording(self) -> None:
         """Make the current content the commit point and record what rollback needs from now on."""
