@@ -13,7 +13,7 @@ from .layer_types import build_layer
 from .layers.base import CacheLayer, index_layers_batch
 from .layers.kv_buffer import check_kv_pair
 from .layers.static import StaticLayer
-from .validation import MAX_NEW_LAYERS, check_layer_idx, check_query_length, check_repeats, crop_amount
+from .validation import MAX_NEW_LAYERS, check_layer_idx, check_move, check_query_length, check_repeats, crop_amount
 
 
 class Cache:
@@ -268,6 +268,13 @@ class Cache:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Self:
         return self.copy()
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Self:
+        """Move every layer to `device` and/or cast it to a floating `dtype`, in place; returns the cache."""
+        check_move(device, dtype)  # before any layer moves
+        for layer in self.layers:
+            layer.to(device, dtype)
+        return self
 
 
 class DynamicCache(Cache):

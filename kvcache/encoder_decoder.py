@@ -10,7 +10,7 @@ from typing_extensions import Self
 from .cache import Cache
 from .errors import CacheInputError, KVCacheError
 from .layers.base import CacheLayer, index_layers_batch
-from .validation import check_repeats
+from .validation import check_move, check_repeats
 
 
 class EncoderDecoderCache:
@@ -159,3 +159,10 @@ class EncoderDecoderCache:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Self:
         return self.copy()
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Self:
+        """Move both parts to `device` and/or cast them to a floating `dtype`, in place; returns the cache."""
+        check_move(device, dtype)
+        self.self_attention_cache.to(device, dtype)
+        self.cross_attention_cache.to(device, dtype)
+        return self

@@ -91,3 +91,18 @@ def check_batch_index(index: Any, name: str, batch_size: int | None) -> torch.Te
         if low < 0 or high >= batch_size:
             raise CacheInputError(f"{name} holds values outside [0, {batch_size}) (batch size of the cache)")
     return tensor
+
+
+def check_move(device: Any, dtype: Any) -> tuple[torch.device | None, torch.dtype | None]:
+    """Arguments of `to(device=, dtype=)`: a device torch knows (and can allocate on) and a
+    floating-point dtype, each or both None."""
+    target = None
+    if device is not None:
+        try:
+            target = torch.device(device)
+            torch.empty(0, device=target)
+        except (RuntimeError, TypeError, ValueError, AssertionError) as err:
+            raise CacheInputError(f"cannot move a cache to device {device!r}: {err}") from None
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise CacheInputError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    return target, dtype

@@ -180,12 +180,12 @@ VALUES = st.one_of(
 COMPOSITE_METHODS = [
     "update", "get_seq_length", "get_mask_sizes", "get_max_length", "crop", "check_crop", "reorder_cache",
     "batch_select_indices", "batch_repeat_interleave", "update_conv_state", "update_recurrent_state",
-    "get_conv_state", "get_recurrent_state", "has_previous_state", "is_recording_past",
+    "get_conv_state", "get_recurrent_state", "has_previous_state", "is_recording_past", "to",
 ]  # fmt: skip
 LAYER_METHODS = [
     "update", "get_mask_sizes", "crop", "check_crop", "reorder_cache", "batch_select_indices",
     "batch_repeat_interleave", "update_conv_state", "update_recurrent_state", "get_conv_state",
-    "get_recurrent_state", "has_previous_state",
+    "get_recurrent_state", "has_previous_state", "to",
 ]  # fmt: skip
 STATES = ["empty", "populated", "recording"]
 

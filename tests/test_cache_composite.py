@@ -305,3 +305,48 @@ def test_reset_forgets_tokens_keeps_layers_and_parameters() -> None:
     out = feed(cache, 2, 3)
     assert torch.equal(out[0][0], kv(2, 3)[0])
     assert torch.equal(out[2][0][:, :, 2:], torch.zeros_like(out[2][0][:, :, 2:]))  # static: no stale tokens
+
+
+def test_to_moves_and_casts_every_layer_kind_with_its_history() -> None:
+    """`to(dtype=)` casts keys, values, conv and recurrent states and the rollback history, in place:
+    the cast cache equals the original cast tensor by tensor, still rolls back, and takes updates of
+    the new dtype only. Bad arguments change nothing."""
+    from kvcache import HybridLayer, RecurrentLayer, SlidingWindowLayer, StaticLayer
+    from kvcache.encoder_decoder import EncoderDecoderCache
+
+    gen = torch.Generator().manual_seed(0)
+    cache = Cache([DynamicLayer(), SlidingWindowLayer(3), StaticLayer(8), RecurrentLayer(),
+                   HybridLayer(DynamicLayer(), RecurrentLayer())])  # fmt: skip
+
+    def step(dtype: torch.dtype) -> None:
+        for i, layer in enumerate(cache.layers):
+            if layer.has_attention:
+                cache.update(torch.randn(1, 2, 1, 4, generator=gen).to(dtype), torch.randn(1, 2, 1, 4).to(dtype), i)
+            if layer.has_recurrent:
+                cache.update_conv_state(torch.randn(1, 3, 1).to(dtype), i, conv_kernel_size=2)
+                cache.update_recurrent_state(torch.randn(1, 5).to(dtype), i)
+
+    step(torch.float32)
+    cache.activate_past_recording()
+    step(torch.float32)
+    before = [(layer.meta_state, {k: v.clone() for k, v in layer.state.items()}) for layer in cache.layers]
+    for bad in ({"device": "no-such-device"}, {"dtype": torch.int64}, {"dtype": "float16"}):
+        with pytest.raises(CacheInputError):
+            cache.to(**bad)
+    assert cache.to(device="cpu", dtype=torch.float64) is cache
+    for layer, (meta, tensors) in zip(cache.layers, before, strict=True):
+        assert layer.meta_state == meta
+        assert all(torch.equal(layer.state[k], v.double()) and layer.state[k].dtype == torch.float64
+                   for k, v in tensors.items())  # fmt: skip
+    with pytest.raises(CacheInputError):
+        cache.update(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), 0)  # float32 into a float64 layer
+    step(torch.float64)
+    cache.crop(-1)  # the history moved too
+    for layer, (meta, tensors) in zip(cache.layers, before, strict=True):
+        assert layer.meta_state == meta, type(layer).__name__
+        assert all(torch.equal(layer.state[k], v.double()) for k, v in tensors.items()), type(layer).__name__
+
+    pair = EncoderDecoderCache(DynamicCache(), DynamicCache())
+    pair.update(torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2, 4), 0)
+    pair.cross_attention_cache.update(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), 0)
+    assert pair.to(dtype=torch.float16).cross_attention_cache.layers[0].keys.dtype == torch.float16

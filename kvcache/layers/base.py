@@ -10,7 +10,7 @@ import torch
 from typing_extensions import Self
 
 from ..errors import RollbackError
-from ..validation import check_batch_index, check_repeats, crop_amount
+from ..validation import check_batch_index, check_move, check_repeats, crop_amount
 
 #: Every concrete layer class by its name. Loading a file builds only classes found here.
 LAYER_REGISTRY: dict[str, type[CacheLayer]] = {}
@@ -182,6 +182,16 @@ class CacheLayer(ABC):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Self:
         return self.copy()
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Self:
+        """Move the layer's tensors to `device` and/or cast its floating-point tensors to `dtype`, in
+        place (rollback history included); returns the layer. Later updates must match."""
+        device, dtype = check_move(device, dtype)
+        moved = {
+            name: t.to(device=device, dtype=dtype if t.is_floating_point() else None) for name, t in self.state.items()
+        }
+        self.__dict__.update(type(self).from_state(self.meta_state, moved).__dict__)
+        return self
 
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v}" for k, v in self.meta_state.items())
