@@ -187,12 +187,12 @@ class Cache:
     @property
     def is_croppable(self) -> bool:
         """Every layer can undo the steps taken since the commit point."""
-        return all(layer.is_croppable for layer in self.layers)
+        return all(layer.is_croppable for layer in self.layers if layer.holds_tokens)
 
     @property
     def max_rollback(self) -> int:
         """How many of the most recent tokens every layer can remove exactly now."""
-        return min((layer.max_rollback for layer in self.layers), default=0)
+        return min((layer.max_rollback for layer in self.layers if layer.holds_tokens), default=0)
 
     def check_crop(self, tokens_to_remove: int) -> None:
         """Raise `RollbackError` unless every layer can `crop(tokens_to_remove)` exactly."""

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from .errors import CacheInputError
 from .layers.base import CacheLayer
 from .layers.dynamic import DynamicLayer
+from .layers.empty import EmptyLayer
 from .layers.hybrid import HybridLayer
 from .layers.recurrent import RecurrentLayer
 from .layers.sliding import SlidingWindowLayer
@@ -26,6 +27,8 @@ LAYER_TYPE_BUILDERS: dict[str, Callable[[int | None, int], CacheLayer]] = {
     "linear_attention": lambda window, states: RecurrentLayer(states),
     "mamba": lambda window, states: RecurrentLayer(states),
     "conv": lambda window, states: RecurrentLayer(states),
+    # no cache at all: MoE/MLP-only layers, KV-shared layers (transformers' "dummy")
+    "dummy": lambda window, states: EmptyLayer(),
     # parallel hybrids: attention and recurrent states under one layer index
     "hybrid": lambda window, states: HybridLayer(DynamicLayer(), RecurrentLayer(states)),
     "hybrid_sliding": lambda window, states: HybridLayer(

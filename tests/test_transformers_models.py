@@ -450,3 +450,41 @@ def test_save_cache_accepts_an_adapter(tmp_path: Any) -> None:
     save_cache(adapter, tmp_path / "a.safetensors")
     loaded = load_cache(tmp_path / "a.safetensors")
     assert type(loaded) is type(adapter.cache) and loaded.get_seq_length() == adapter.cache.get_seq_length()
+
+
+def _dummy_layer_model(kind: str) -> Any:
+    """NemotronH (an MLP-only layer) and Gemma3n (KV-shared layers): transformers' "dummy" layer type."""
+    torch.manual_seed(0)
+    if kind == "nemotron_h":
+        config = T.NemotronHConfig(
+            vocab_size=VOCAB, hidden_size=64, layers_block_type=["mamba", "attention", "mlp", "mamba"],
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128, ssm_state_size=16,
+            mamba_num_heads=8, mamba_head_dim=16, n_groups=1, conv_kernel=4, expand=2, chunk_size=16,
+            use_mamba_kernels=False,
+        )  # fmt: skip
+        return T.NemotronHForCausalLM(config).eval()
+    config = T.Gemma3nTextConfig(
+        vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB, hidden_size=64, hidden_size_per_layer_input=8,
+        intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
+        laurel_rank=8, altup_num_inputs=2, activation_sparsity_pattern=[0.0] * 4,
+    )  # fmt: skip
+    return T.Gemma3nForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("kind", ["nemotron_h", "gemma3n"])
+def test_dummy_layer_types_get_empty_layers_and_transformers_logits(kind: str) -> None:
+    from kvcache import EmptyLayer
+
+    model, source = _dummy_layer_model(kind), prompt()
+    cache = cache_from_config(model.config)
+    assert any(isinstance(layer, EmptyLayer) for layer in cache.layers)
+    ours, theirs = Stepper(model, cache, source), Stepper(model, hf_cache(model), source)
+    assert torch.equal(ours(source), theirs(source))
+    for step in torch.randint(3, VOCAB, (4, 2, 1), generator=torch.Generator().manual_seed(2)):
+        assert torch.equal(ours(step), theirs(step))
+    cache.activate_past_recording()  # an EmptyLayer never limits rollback
+    ours(torch.tensor([[5], [6]]))
+    assert cache.max_rollback >= 1 and cache.is_croppable
+    cache.crop(-1)
+    assert cache.get_seq_length() == source.shape[1] + 4

@@ -124,7 +124,7 @@ class TransformersCache(HFCache):
 
     @property
     def is_dummy(self) -> list[bool]:
-        return [False] * len(self.cache.layers)
+        return [not layer.holds_tokens for layer in self.cache.layers]
 
 
 class TransformersEncoderDecoderCache(HFEncoderDecoderCache):

@@ -2,6 +2,7 @@
 
 from .base import LAYER_REGISTRY, CacheLayer, register_layer
 from .dynamic import DynamicLayer
+from .empty import EmptyLayer
 from .hybrid import HybridLayer
 from .recurrent import RecurrentLayer
 from .sliding import SlidingWindowLayer
@@ -11,6 +12,7 @@ __all__ = [
     "LAYER_REGISTRY",
     "CacheLayer",
     "DynamicLayer",
+    "EmptyLayer",
     "HybridLayer",
     "RecurrentLayer",
     "SlidingWindowLayer",

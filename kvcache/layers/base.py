@@ -38,6 +38,8 @@ class CacheLayer(ABC):
     has_attention: ClassVar[bool] = True
     #: The layer holds conv/recurrent states (answers `update_conv_state` ...).
     has_recurrent: ClassVar[bool] = False
+    #: The layer holds tokens at all (an `EmptyLayer` does not, and never limits rollback).
+    holds_tokens: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self._recording = False
