@@ -235,8 +235,11 @@ def test_layer_for_parallel_hybrids_and_unknown_types() -> None:
     assert isinstance(sliding_hybrid.attention, SlidingWindowLayer) and sliding_hybrid.attention.sliding_window == 5
     chunked = layer_for("chunked_attention", {"sliding_window": 4})
     assert isinstance(chunked, SlidingWindowLayer) and chunked.sliding_window == 4
-    with pytest.raises(CacheInputError, match="'dummy'"):
-        layer_for("dummy", {})
+    from kvcache import EmptyLayer
+
+    assert isinstance(layer_for("dummy", {}), EmptyLayer)
+    with pytest.raises(CacheInputError, match="'indexed_attention'"):
+        layer_for("indexed_attention", {})
     with pytest.raises(CacheInputError, match="sliding_window"):
         layer_for("sliding_attention", {})
 
@@ -252,7 +255,9 @@ def test_bad_inputs_raise_the_package_errors() -> None:
         TransformersCache(T.DynamicCache())  # type: ignore[arg-type]
     config = _config("llama")
     config.layer_types = ["full_attention", "mlp"]  # transformers caches nothing for "mlp" layers
-    with pytest.raises(CacheInputError, match="'dummy'"):
+    assert [type(layer).__name__ for layer in cache_from_config(config).layers] == ["DynamicLayer", "EmptyLayer"]
+    config.layer_types = ["full_attention", "indexed_attention"]
+    with pytest.raises(CacheInputError, match="indexed_attention"):
         cache_from_config(config)
 
 

@@ -25,9 +25,9 @@ from test_transformers_models import (
     tiny_model,
 )
 
-from kvcache import RollbackError
+from kvcache import RollbackError, SlidingWindowLayer
 from kvcache.encoder_decoder import EncoderDecoderCache
-from kvcache.integrations.transformers import cache_from_config
+from kvcache.integrations.transformers import as_transformers_cache, cache_from_config
 from kvcache.persistence import load_cache, save_cache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -246,3 +246,51 @@ def test_conv_only_layers_roll_back_to_any_token(monkeypatch: pytest.MonkeyPatch
         got, want = ours(cont[:, i : i + 1]), never(cont[:, i : i + 1])
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m, i=i: f"step {i}: {m}")
         assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "lfm2"])
+@pytest.mark.parametrize("how", ["prompt_lookup", "assistant_model"])
+def test_transformers_assisted_decoding_keeps_layers_at_working_size(kind: str, how: str) -> None:
+    """transformers' own assisted / prompt-lookup loops start recording through the adapter and only
+    ever undo part of the last forward: the adapter then keeps one forward of history, so over 60
+    generated tokens a sliding layer holds at most W - 1 + (draft + 1) tokens and a conv layer at most
+    kernel + (draft + 1) columns after the prefill (before: every generated token stayed). The output
+    is transformers' own."""
+    import copy
+
+    model, draft = tiny_model(kind), 3
+    source = prompt()[:1].repeat(1, 3)  # repetitive: the prompt-lookup drafter finds candidates
+    extra = {"prompt_lookup_num_tokens": draft} if how == "prompt_lookup" else {"assistant_model": copy.deepcopy(model)}
+    if how == "assistant_model":
+        extra["assistant_model"].generation_config.num_assistant_tokens = draft
+        extra["assistant_model"].generation_config.num_assistant_tokens_schedule = "constant"
+    kv = cache_from_config(model.config)
+    held: list[list[int]] = []
+    plain_forward = type(model).forward
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = plain_forward(self, *args, **kwargs)
+        if self is model:
+            held.append([_held(layer) for layer in kv.layers])
+        return out
+
+    type(model).forward = spy
+    try:
+        ours = model.generate(source, max_new_tokens=60, do_sample=False, cache=as_transformers_cache(kv), **extra)
+    finally:
+        type(model).forward = plain_forward
+    theirs = model.generate(source, max_new_tokens=60, do_sample=False, **extra)
+    assert torch.equal(ours, theirs)
+    assert len(held) > 10
+    for i, layer in enumerate(kv.layers):
+        if isinstance(layer, SlidingWindowLayer) or layer.has_recurrent:
+            limit = (layer.sliding_window - 1 if layer.has_attention else layer.meta_state["slots"][0]["kernel"])
+            peak = max(step[i] for step in held[1:])  # after the prefill
+            assert peak <= limit + draft + 1, (i, peak)
+
+
+def _held(layer: Any) -> int:
+    meta = layer.meta_state
+    if "kept_length" in meta:
+        return meta["kept_length"]
+    return meta["slots"][0]["conv_columns"] if "slots" in meta else 0

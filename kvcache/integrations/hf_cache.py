@@ -37,6 +37,22 @@ class TransformersCache(HFCache):
         self.cache = cache
         self.layer_class_to_replicate = None
         self.offloading = False
+        self.one_forward_history = False  # set when transformers itself starts recording (see below)
+
+    def activate_past_recording(self) -> None:
+        """transformers' generation loops call this when they will undo part of the *next* forward
+        only (assisted and prompt-lookup decoding, their deferred stop check), and expect layers to
+        stay at working size otherwise. So, started through the adapter, recording keeps one forward
+        of history: each layer commits before its next update, and `crop` commits too. Recording
+        started on the kvcache cache itself keeps kvcache's semantics (history since the commit point)."""
+        self.cache.activate_past_recording()
+        self.one_forward_history = True
+
+    def _commit_before_update(self, layer_idx: int) -> None:
+        if self.one_forward_history and layer_idx < len(self.cache.layers):
+            layer = self.cache.layers[layer_idx]
+            if layer.record_past:
+                layer.crop(0)
 
     @property
     def layers(self) -> list[Any]:  # type: ignore[override]
@@ -51,6 +67,7 @@ class TransformersCache(HFCache):
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # transformers passes `kwargs=` / `cache_kwargs` (rope sin/cos, cache positions): kvcache layers need none.
+        self._commit_before_update(layer_idx)
         return self.cache.update(key_states, value_states, layer_idx)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -75,6 +92,8 @@ class TransformersCache(HFCache):
     def update_conv_state(
         self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
     ) -> torch.Tensor:
+        if state_idx == 0:  # a forward's first state of this layer: its step opens here
+            self._commit_before_update(layer_idx)
         return self.cache.update_conv_state(conv_states, layer_idx, state_idx, **kwargs)
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
@@ -149,6 +168,11 @@ class TransformersEncoderDecoderCache(HFEncoderDecoderCache):
     def is_updated(self) -> dict[int, bool]:  # type: ignore[override]
         return self.cache.is_updated
 
+    def activate_past_recording(self) -> None:
+        """As `TransformersCache.activate_past_recording`, for the decoder's self-attention part."""
+        self.self_attention_cache.activate_past_recording()
+        self.cache.activate_past_recording()
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.cache!r})"
 
@@ -158,23 +182,43 @@ class TransformersEncoderDecoderCache(HFEncoderDecoderCache):
 
 def _copy_adapter(self: Any) -> Any:
     """`copy.copy`: another adapter over the same kvcache cache (shares its contents, as a shallow copy does)."""
-    return type(self)(self.cache)
+    return _with_mode(type(self)(self.cache), self)
 
 
 def _deepcopy_adapter(self: Any, memo: dict[int, Any]) -> Any:
     """`copy.deepcopy`: an adapter over one independent copy of the kvcache cache, so both halves of an
     encoder-decoder adapter point into the same fork (transformers' way to reuse a prompt cache)."""
-    return type(self)(self.cache.copy())
+    return _with_mode(type(self)(self.cache.copy()), self)
+
+
+def _with_mode(new: Any, old: Any) -> Any:
+    """Carry the recording mode transformers set on `old` over to its copy `new`."""
+    part = getattr(old, "self_attention_cache", old)
+    if getattr(part, "one_forward_history", False):
+        getattr(new, "self_attention_cache", new).one_forward_history = True
+    return new
 
 
 for _adapter in (TransformersCache, TransformersEncoderDecoderCache):
     _adapter.__copy__ = _copy_adapter  # type: ignore[method-assign]
     _adapter.__deepcopy__ = _deepcopy_adapter  # type: ignore[method-assign]
 
+def _crop_as_transformers_does(self: Any, tokens_to_remove: int) -> None:
+    """transformers' `crop(-n)`: remove the last n tokens and shrink back to working size. Its loops
+    (assisted and prompt-lookup decoding, its deferred stop check) never roll back past a crop, so
+    after cropping the kvcache cache the adapter commits it (`crop(0)`; recording stays on). Without
+    that, sliding windows and conv histories would keep growing with every generated token. Crop
+    the kvcache cache itself (`adapter.cache`) for kvcache's semantics."""
+    self.cache.crop(tokens_to_remove)
+    if tokens_to_remove:
+        self.cache.crop(0)
+
+
+for _adapter in (TransformersCache, TransformersEncoderDecoderCache):
+    _adapter.crop = _crop_as_transformers_does  # type: ignore[method-assign]
+
 #: Whole-cache operations both adapters hand to the kvcache cache unchanged.
-_FORWARDED_METHODS = (
-    "crop", "activate_past_recording", "reset", "reorder_cache", "batch_repeat_interleave", "batch_select_indices"
-)  # fmt: skip
+_FORWARDED_METHODS = ("reset", "reorder_cache", "batch_repeat_interleave", "batch_select_indices")
 _FORWARDED_PROPERTIES = ("max_rollback", "is_croppable")
 
 
