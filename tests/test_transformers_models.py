@@ -493,3 +493,20 @@ def test_dummy_layer_types_get_empty_layers_and_transformers_logits(kind: str) -
     assert cache.max_rollback >= 1 and cache.is_croppable
     cache.crop(-1)
     assert cache.get_seq_length() == source.shape[1] + 4
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "nemotron_h", "gemma3n"])
+def test_a_raw_kvcache_cache_gives_transformers_logits_or_fails_at_first_use(kind: str) -> None:
+    """Without the adapter: decoder-only families compute exactly what transformers' own cache
+    computes (prefill and decode steps); encoder-decoder families refuse at the first update."""
+    model = tiny_model(kind) if kind in KINDS else _dummy_layer_model(kind)
+    source, raw = prompt(), cache_from_config(model.config)
+    if model.config.is_encoder_decoder:
+        with torch.no_grad(), pytest.raises(KVCacheError, match="as_transformers_cache"):
+            model(input_ids=source, decoder_input_ids=first_tokens(model, source), cache=raw)
+        return
+    theirs = hf_cache(model)
+    steps = [source, *torch.randint(3, VOCAB, (3, 2, 1), generator=torch.Generator().manual_seed(5))]
+    with torch.no_grad():
+        for step, ids in enumerate(steps):
+            assert torch.equal(model(ids, cache=raw).logits, model(ids, cache=theirs).logits), f"step {step}"
