@@ -36,7 +36,6 @@ nothing, so the count is a lower bound there; rollback only ever needs the recor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,138 +43,7 @@ from typing_extensions import Self
 
 from ..errors import CacheInputError, RollbackError
 from .base import CacheLayer, register_layer
-
-#: Conv history storage grows in multiples of this many columns.
-CONV_BLOCK = 16
-
-#: `_Step.before` marker: the state before the step was overwritten in place before we saw it.
-_LOST = "lost"
-
-
-@dataclass
-class _Step:
-    """One recorded step of one state index."""
-
-    tokens: int
-    conv_tokens: int  # conv inputs this step added (0 or `tokens`)
-    before: torch.Tensor | str | None  # private copy of the recurrent state before the step; None: none existed
-    inter: torch.Tensor | None = None  # [batch, tokens - 1, ...]: states after each token but the last
-    rec_updated: bool = False  # update_recurrent_state was called in this step
-    open: bool = True  # opened by a conv update; the step's recurrent update may still come
-
-    def restorable_at(self, offset: int) -> bool:
-        """Whether the state `offset` tokens into this step (0 <= offset < tokens) is known."""
-        if offset == 0:
-            return self.before is not _LOST
-        return self.inter is not None or (self.before is None and not self.rec_updated)
-
-
-class _Slot:
-    """One state index: its conv window (with recorded inputs) and recurrent state (with snapshots)."""
-
-    __slots__ = (
-        "conv",
-        "conv_end",
-        "conv_from_empty",
-        "kernel",
-        "open_at_commit",
-        "open_tokens",
-        "rec",
-        "seen",
-        "steps",
-    )
-
-    def __init__(self) -> None:
-        self.kernel: int | None = None
-        self.conv: torch.Tensor | None = None  # storage [batch, channels, capacity]
-        self.conv_end = 0  # columns in use: the window at the commit point, then recorded inputs
-        self.conv_from_empty = True  # no conv state at the commit point
-        self.rec: torch.Tensor | None = None
-        self.seen = 0
-        self.open_tokens: int | None = None  # tokens of a conv update awaiting its recurrent update
-        self.open_at_commit: int | None = None  # `open_tokens` at the commit point
-        self.steps: list[_Step] = []
-
-    @property
-    def active(self) -> bool:
-        return self.conv is not None or self.rec is not None or bool(self.steps)
-
-    @property
-    def recorded(self) -> int:
-        return sum(step.tokens for step in self.steps)
-
-    def window(self) -> torch.Tensor | None:
-        if self.conv is None:
-            return None
-        if self.conv.shape[-1] == self.conv_end == self.kernel:
-            return self.conv  # the held tensor itself: in-place updates by model code stick
-        return self.conv[..., self.conv_end - self.kernel : self.conv_end]  # type: ignore[operator]
-
-    def batch_size(self) -> int | None:
-        held = self.conv if self.conv is not None else self.rec
-        return None if held is None else held.shape[0]
-
-    def locate(self, keep: int) -> tuple[int, int]:
-        """(step index, tokens kept of that step) for keeping `keep` recorded tokens."""
-        start = 0
-        for i, step in enumerate(self.steps):
-            if keep < start + step.tokens:
-                return i, keep - start
-            start += step.tokens
-        return len(self.steps), 0
-
-    def can_keep(self, keep: int) -> bool:
-        i, offset = self.locate(keep)
-        return i == len(self.steps) or self.steps[i].restorable_at(offset)
-
-    def keep(self, keep: int) -> None:
-        """Roll back to `keep` recorded tokens (checked with `can_keep`)."""
-        i, offset = self.locate(keep)
-        removed = self.steps[i:]
-        if not removed:
-            return
-        removed_tokens = sum(s.tokens for s in removed) - offset
-        removed_conv = sum(s.conv_tokens for s in removed) - (offset if removed[0].conv_tokens else 0)
-        first = removed[0]
-        if offset == 0:
-            self.rec = first.before  # type: ignore[assignment]  # private copy, moved back
-            del self.steps[i:]
-        else:
-            if first.inter is not None:
-                self.rec = first.inter[:, offset - 1].clone()
-                first.inter = first.inter[:, : offset - 1] if offset > 1 else None
-            else:  # no recurrent state existed through this step
-                self.rec = None
-            first.tokens, first.conv_tokens = offset, (offset if first.conv_tokens else 0)
-            del self.steps[i + 1 :]
-        # bookkeeping as it was at that boundary: a conv-opened step without a recurrent update
-        # is still open (transformers' Mamba2 decode path); a point inside a step is closed
-        last = self.steps[-1] if self.steps else None
-        if offset:
-            last.open, self.open_tokens = False, None  # type: ignore[union-attr]
-        elif last is None:
-            self.open_tokens = self.open_at_commit
-        else:
-            last.open = bool(last.conv_tokens) and not last.rec_updated
-            self.open_tokens = last.tokens if last.open else None
-        self.seen -= removed_tokens
-        self.conv_end -= removed_conv
-        if self.conv is not None and self.conv_from_empty and self.conv_end == self.kernel:
-            self.conv, self.conv_end, self.kernel = None, 0, None  # back before the first conv input
-
-    def commit(self) -> None:
-        self.steps.clear()
-        self.open_at_commit = self.open_tokens
-        if self.conv is not None and self.conv.shape[-1] != self.kernel:
-            self.conv = self.conv[..., self.conv_end - self.kernel : self.conv_end].clone()  # type: ignore[operator]
-            self.conv_end = self.kernel  # type: ignore[assignment]
-        self.conv_from_empty = self.conv is None
-
-    def tensors(self) -> list[torch.Tensor]:
-        held = [t for t in (self.conv, self.rec) if t is not None]
-        for step in self.steps:
-            held += [t for t in (step.before, step.inter) if isinstance(t, torch.Tensor)]
-        return held
+from .recurrent_slots import CONV_BLOCK, LOST, Slot, Step, restore_slots
 
 
 def _positive_int(value: Any, name: str) -> int:
@@ -208,10 +76,10 @@ class RecurrentLayer(CacheLayer):
     def __init__(self, num_states: int = 1) -> None:
         super().__init__()
         self.num_states = _positive_int(num_states, "num_states")
-        self._slots = [_Slot() for _ in range(self.num_states)]
+        self._slots = [Slot() for _ in range(self.num_states)]
 
     # ------------------------------------------------------------------------------ checks
-    def _slot(self, state_idx: Any) -> _Slot:
+    def _slot(self, state_idx: Any) -> Slot:
         if isinstance(state_idx, bool) or not isinstance(state_idx, int) or not 0 <= state_idx < self.num_states:
             raise CacheInputError(
                 f"state_idx must be an int in [0, {self.num_states}) for this RecurrentLayer, got {state_idx!r}"
@@ -263,7 +131,7 @@ class RecurrentLayer(CacheLayer):
             if slot.steps:
                 slot.steps[-1].open = False
             before = None if slot.rec is None else slot.rec.clone()
-            slot.steps.append(_Step(tokens=n, conv_tokens=n, before=before))
+            slot.steps.append(Step(tokens=n, conv_tokens=n, before=before))
             returned = self._append_conv(slot, conv_states, kernel)
         elif slot.conv is None:
             returned = conv_states.contiguous()  # the same layout the recording path returns
@@ -277,7 +145,7 @@ class RecurrentLayer(CacheLayer):
         slot.seen += n
         return returned
 
-    def _append_conv(self, slot: _Slot, inputs: torch.Tensor, kernel: int) -> torch.Tensor:
+    def _append_conv(self, slot: Slot, inputs: torch.Tensor, kernel: int) -> torch.Tensor:
         """Append recorded conv inputs to the history buffer; return the conv's view of them."""
         n = inputs.shape[-1]
         first = slot.conv is None
@@ -372,10 +240,10 @@ class RecurrentLayer(CacheLayer):
                 if held is None:
                     before: torch.Tensor | str | None = None
                 elif _same_storage(recurrent_states, held):
-                    before = _LOST  # mutated in place before we could snapshot it
+                    before = LOST  # mutated in place before we could snapshot it
                 else:
                     before = held.clone()
-                step = _Step(tokens=tokens, conv_tokens=0, before=before)  # type: ignore[arg-type]
+                step = Step(tokens=tokens, conv_tokens=0, before=before)  # type: ignore[arg-type]
                 slot.steps.append(step)
             step.inter, step.rec_updated, step.open = inter_copy, True, False
         if held is None:
@@ -417,7 +285,7 @@ class RecurrentLayer(CacheLayer):
 
     @property
     def is_croppable(self) -> bool:
-        return self._recording and not any(step.before is _LOST for slot in self._slots for step in slot.steps)
+        return self._recording and not any(step.before is LOST for slot in self._slots for step in slot.steps)
 
     def check_crop(self, tokens_to_remove: int) -> None:
         super().check_crop(tokens_to_remove)
@@ -431,7 +299,7 @@ class RecurrentLayer(CacheLayer):
                 )
 
     @staticmethod
-    def _boundaries(slot: _Slot) -> list[int]:
+    def _boundaries(slot: Slot) -> list[int]:
         total = slot.recorded
         return [n for n in range(total + 1) if slot.can_keep(total - n)]
 
@@ -449,7 +317,7 @@ class RecurrentLayer(CacheLayer):
 
     # ------------------------------------------------------------------------- batch / misc
     def reset(self) -> None:
-        self._slots = [_Slot() for _ in range(self.num_states)]
+        self._slots = [Slot() for _ in range(self.num_states)]
 
     @property
     def batch_size(self) -> int | None:
@@ -503,7 +371,7 @@ class RecurrentLayer(CacheLayer):
                 {
                     "tokens": st.tokens,
                     "conv_tokens": st.conv_tokens,
-                    "before": "lost" if st.before is _LOST else ("none" if st.before is None else "tensor"),
+                    "before": "lost" if st.before is LOST else ("none" if st.before is None else "tensor"),
                     "intermediate": st.inter is not None,
                     "rec_updated": st.rec_updated,
                     "open": st.open,
@@ -535,99 +403,8 @@ class RecurrentLayer(CacheLayer):
     @classmethod
     def from_state(cls, meta_state: dict[str, Any], state: dict[str, torch.Tensor]) -> Self:
         try:
-            return cls._from_state(meta_state, state)
+            return restore_slots(cls(meta_state["num_states"]), meta_state, state)
         except CacheInputError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
             raise CacheInputError(f"RecurrentLayer: malformed meta_state or state ({exc!r})") from exc
-
-    @classmethod
-    def _from_state(cls, meta: dict[str, Any], state: dict[str, torch.Tensor]) -> Self:
-        def bad(msg: str) -> CacheInputError:
-            return CacheInputError(f"RecurrentLayer.from_state: {msg}")
-
-        layer = cls(meta["num_states"])
-        recording = meta["record_past"]
-        slots_meta = meta["slots"]
-        if not isinstance(recording, bool) or not isinstance(slots_meta, list) or len(slots_meta) != layer.num_states:
-            raise bad("record_past must be a bool and 'slots' a list of num_states entries")
-        layer._recording = recording
-        used: set[str] = set()
-
-        def take(name: str) -> torch.Tensor:
-            t = state.get(name)
-            if not isinstance(t, torch.Tensor):
-                raise bad(f"missing tensor {name!r}")
-            used.add(name)
-            return t
-
-        def nonneg(value: Any, what: str, allow_none: bool = False) -> Any:
-            if allow_none and value is None:
-                return None
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise bad(f"{what} must be a non-negative int, got {value!r}")
-            return value
-
-        batches: set[int] = set()
-        for s, sm in enumerate(slots_meta):
-            slot = layer._slots[s]
-            slot.kernel = nonneg(sm["kernel"], f"slots[{s}].kernel", allow_none=True)
-            columns = nonneg(sm["conv_columns"], f"slots[{s}].conv_columns")
-            slot.seen = nonneg(sm["seen"], f"slots[{s}].seen")
-            slot.open_tokens = nonneg(sm["open_tokens"], f"slots[{s}].open_tokens", allow_none=True)
-            slot.open_at_commit = nonneg(sm["open_at_commit"], f"slots[{s}].open_at_commit", allow_none=True)
-            slot.conv_from_empty = sm["conv_from_empty"]
-            if not isinstance(slot.conv_from_empty, bool):
-                raise bad(f"slots[{s}].conv_from_empty must be a bool")
-            if f"conv.{s}" in state:
-                conv = take(f"conv.{s}")
-                if slot.kernel is None or slot.kernel < 1 or conv.dim() != 3 or conv.shape[-1] != columns:
-                    raise bad(f"conv.{s} {tuple(conv.shape)} does not hold {columns} columns of kernel {slot.kernel}")
-                if columns < slot.kernel or (not recording and columns != slot.kernel):
-                    raise bad(f"conv.{s} holds {columns} columns, inconsistent with kernel {slot.kernel}")
-                slot.conv, slot.conv_end = conv, columns
-                batches.add(conv.shape[0])
-            elif columns or slot.kernel is not None:
-                raise bad(f"slots[{s}] announces a conv state but conv.{s} is missing")
-            if f"recurrent.{s}" in state:
-                slot.rec = take(f"recurrent.{s}")
-                if slot.rec.dim() < 1:
-                    raise bad(f"recurrent.{s} has no batch dimension")
-                batches.add(slot.rec.shape[0])
-            for i, st in enumerate(sm["steps"]):
-                tokens = nonneg(st["tokens"], f"slots[{s}].steps[{i}].tokens")
-                conv_tokens = nonneg(st["conv_tokens"], f"slots[{s}].steps[{i}].conv_tokens")
-                if tokens < 1 or conv_tokens not in (0, tokens):
-                    raise bad(f"slots[{s}].steps[{i}]: {tokens} token(s) with {conv_tokens} conv input(s)")
-                kind = st["before"]
-                if kind not in ("lost", "none", "tensor"):
-                    raise bad(f"slots[{s}].steps[{i}].before must be 'lost', 'none' or 'tensor'")
-                before: torch.Tensor | str | None = {"lost": _LOST, "none": None}.get(kind)
-                if kind == "tensor":
-                    before = take(f"recurrent_history.{s}.{i}")
-                    if slot.rec is None or before.shape != slot.rec.shape or before.dtype != slot.rec.dtype:
-                        raise bad(f"recurrent_history.{s}.{i} does not match recurrent.{s}")
-                inter = None
-                if st["intermediate"] is True:
-                    inter = take(f"intermediate.{s}.{i}")
-                    expected = None if slot.rec is None else (slot.rec.shape[0], tokens - 1, *slot.rec.shape[1:])
-                    if expected is None or tuple(inter.shape) != expected or inter.dtype != slot.rec.dtype:  # type: ignore[union-attr]
-                        raise bad(f"intermediate.{s}.{i} {tuple(inter.shape)} should be {expected}")
-                if not isinstance(st["rec_updated"], bool) or not isinstance(st["open"], bool):
-                    raise bad(f"slots[{s}].steps[{i}]: rec_updated and open must be bools")
-                slot.steps.append(_Step(tokens, conv_tokens, before, inter, st["rec_updated"], st["open"]))
-            if slot.steps and not recording:
-                raise bad(f"slots[{s}] holds recorded steps but the layer is not recording")
-            conv_recorded = sum(st.conv_tokens for st in slot.steps)
-            if slot.conv is not None and columns - slot.kernel != conv_recorded:  # type: ignore[operator]
-                raise bad(f"conv.{s} holds {columns - slot.kernel} recorded input(s), steps say {conv_recorded}")  # type: ignore[operator]
-            if slot.conv is None and conv_recorded:
-                raise bad(f"slots[{s}] steps record conv inputs but there is no conv state")
-            if slot.recorded > slot.seen:
-                raise bad(f"slots[{s}] records {slot.recorded} token(s) but has seen only {slot.seen}")
-        if len(batches) > 1:
-            raise bad(f"state tensors disagree on batch size: {sorted(batches)}")
-        unknown = set(state) - used
-        if unknown:
-            raise bad(f"unexpected tensors {sorted(unknown)}")
-        return layer
