@@ -2,7 +2,7 @@
 
 Prints the cache class, then per layer its class, token count, recording flag, parameters and
 tensors (dtype, shape, bytes), the totals and the user metadata. `--json` prints the same as one
-JSON object. The file is fully validated (loaded on CPU through the memory-mapped path) first, so
+JSON object. The file is fully validated first (loaded on CPU, every byte checked against its digest), so
 a file `inspect` accepts is one `load_cache` accepts.
 """
 
