@@ -214,18 +214,6 @@ def _grow(cache: Any, steps: int) -> None:
         feed(cache, steps)
 
 
-@settings(max_examples=300)
-@given(
-    kind=st.sampled_from(["mixed", "lazy", "static", "recurrent_first", "encoder_decoder"]),
-    state=st.sampled_from(STATES),
-    method=st.sampled_from(COMPOSITE_METHODS),
-    args=st.lists(VALUES, min_size=0, max_size=3),
-)
-def test_every_composite_method_with_arbitrary_values(kind: str, state: str, method: str, args: list) -> None:
-    cache = _composite(kind, state)
-    call_and_check(cache, cache, method, args)
-
-
 def call_and_check(target: Any, cache: Any, method: str, args: list) -> None:
     """Call `target.method(*args)`: success, or a KVCacheError with `cache` deeply unchanged."""
     if not hasattr(target, method):
@@ -256,13 +244,28 @@ def _layer(kind: str, state: str) -> Any:
     return layer
 
 
-@settings(max_examples=300)
-@given(
-    kind=st.sampled_from(["dynamic", "sliding", "static", "recurrent", "hybrid"]),
-    state=st.sampled_from(STATES),
-    method=st.sampled_from(LAYER_METHODS),
-    args=st.lists(VALUES, min_size=0, max_size=3),
-)
-def test_every_layer_method_with_arbitrary_values(kind: str, state: str, method: str, args: list) -> None:
+def _layer_in_cache(kind: str, state: str) -> tuple[Any, Cache]:
     layer = _layer(kind, state)
-    call_and_check(layer, Cache([layer]), method, args)
+    return layer, Cache([layer])
+
+
+#: What the property test drives: the kinds to build, the methods to call, and a builder returning
+#: (object to call, composite whose deep state must stay unchanged on an error).
+TARGETS: dict[str, tuple[list[str], list[str], Callable[[str, str], tuple[Any, Any]]]] = {
+    "composite": (["mixed", "lazy", "static", "recurrent_first", "encoder_decoder"], COMPOSITE_METHODS,
+                  lambda kind, state: (cache := _composite(kind, state), cache)),
+    "layer": (["dynamic", "sliding", "static", "recurrent", "hybrid"], LAYER_METHODS, _layer_in_cache),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@settings(max_examples=300)
+@given(data=st.data())
+def test_every_public_method_with_arbitrary_values(target: str, data: st.DataObject) -> None:
+    """Every public method of every layer and composite, in every state, with arbitrary values."""
+    kinds, methods, build = TARGETS[target]
+    kind, state = data.draw(st.sampled_from(kinds), "kind"), data.draw(st.sampled_from(STATES), "state")
+    method = data.draw(st.sampled_from(methods), "method")
+    args = data.draw(st.lists(VALUES, min_size=0, max_size=3), "args")
+    subject, cache = build(kind, state)
+    call_and_check(subject, cache, method, args)
