@@ -19,6 +19,8 @@ from .layers import (
     RecurrentLayer,
     SlidingWindowLayer,
     StaticLayer,
+    StaticRecurrentLayer,
+    StaticSlidingWindowLayer,
 )
 from .persistence import load_cache, save_cache
 
@@ -43,6 +45,8 @@ __all__ = [
     "SlidingWindowLayer",
     "StaticCache",
     "StaticLayer",
+    "StaticRecurrentLayer",
+    "StaticSlidingWindowLayer",
     "__version__",
     "load_cache",
     "save_cache",

@@ -9,10 +9,11 @@ import torch
 from typing_extensions import Self
 
 from .errors import CacheInputError, KVCacheError
-from .layer_types import build_layer
+from .layer_types import build_layer, build_static_layer
 from .layers.base import CacheLayer, index_layers_batch
 from .layers.kv_buffer import check_kv_pair
 from .layers.static import StaticLayer
+from .layers.static_sliding import DEFAULT_ROLLBACK_TOKENS
 from .validation import MAX_NEW_LAYERS, check_layer_idx, check_move, check_query_length, check_repeats, crop_amount
 
 
@@ -300,12 +301,33 @@ class DynamicCache(Cache):
 
 
 class StaticCache(Cache):
-    """Preallocated full-attention layers of `max_cache_len` tokens; `num_layers` of them, or
-    created lazily as layer indices appear."""
+    """Fixed-shape layers for `torch.compile`: `num_layers` `StaticLayer`s of `max_cache_len`
+    tokens (or created lazily as layer indices appear), or one layer per entry of `layer_types`
+    (`StaticSlidingWindowLayer` for "sliding_attention", `StaticRecurrentLayer` for conv/recurrent
+    types, ...; see `build_static_layer`)."""
 
-    def __init__(self, max_cache_len: int, num_layers: int | None = None) -> None:
+    def __init__(
+        self,
+        max_cache_len: int,
+        num_layers: int | None = None,
+        *,
+        layer_types: Sequence[str] | None = None,
+        sliding_window: int | None = None,
+        num_states: int = 1,
+        rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS,
+    ) -> None:
         StaticLayer(max_cache_len)  # validates max_cache_len before anything is built
-        if num_layers is None:
+        if layer_types is not None:
+            if num_layers is not None and num_layers != len(layer_types):
+                raise CacheInputError(f"num_layers {num_layers!r} != {len(layer_types)} layer types")
+            if not isinstance(layer_types, (list, tuple)) or not all(isinstance(t, str) for t in layer_types):
+                raise CacheInputError(f"layer_types must be a list of layer-type names, got {layer_types!r}"[:200])
+            super().__init__([
+                build_static_layer(t, max_cache_len=max_cache_len, sliding_window=sliding_window,
+                                   num_states=num_states, rollback_tokens=rollback_tokens)
+                for t in layer_types
+            ])  # fmt: skip
+        elif num_layers is None:
             super().__init__(layer_factory=lambda: StaticLayer(max_cache_len))
         else:
             if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 0:

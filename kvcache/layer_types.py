@@ -11,6 +11,9 @@ from .layers.empty import EmptyLayer
 from .layers.hybrid import HybridLayer
 from .layers.recurrent import RecurrentLayer
 from .layers.sliding import SlidingWindowLayer
+from .layers.static import StaticLayer
+from .layers.static_recurrent import StaticRecurrentLayer
+from .layers.static_sliding import DEFAULT_ROLLBACK_TOKENS, StaticSlidingWindowLayer
 
 
 def _need_window(layer_type: str, sliding_window: int | None) -> int:
@@ -43,3 +46,41 @@ def build_layer(layer_type: str, *, sliding_window: int | None = None, num_state
     if builder is None:
         raise CacheInputError(f"unknown layer type {layer_type!r}; known: {sorted(LAYER_TYPE_BUILDERS)}")
     return builder(sliding_window, num_states)
+
+
+#: name -> builder(max_cache_len, sliding_window, num_states, rollback_tokens): the fixed-shape layer
+#: `torch.compile` can capture, for every name `LAYER_TYPE_BUILDERS` knows.
+STATIC_LAYER_TYPE_BUILDERS: dict[str, Callable[[int, int | None, int, int], CacheLayer]] = {
+    "full_attention": lambda max_len, window, states, room: StaticLayer(max_len),
+    "sliding_attention": lambda max_len, window, states, room: StaticSlidingWindowLayer(
+        _need_window("sliding_attention", window), max_len, room
+    ),
+    "linear_attention": lambda max_len, window, states, room: StaticRecurrentLayer(states, room),
+    "mamba": lambda max_len, window, states, room: StaticRecurrentLayer(states, room),
+    "conv": lambda max_len, window, states, room: StaticRecurrentLayer(states, room),
+    "dummy": lambda max_len, window, states, room: EmptyLayer(),
+    "hybrid": lambda max_len, window, states, room: HybridLayer(
+        StaticLayer(max_len), StaticRecurrentLayer(states, room)
+    ),
+    "hybrid_sliding": lambda max_len, window, states, room: HybridLayer(
+        StaticSlidingWindowLayer(_need_window("hybrid_sliding", window), max_len, room),
+        StaticRecurrentLayer(states, room),
+    ),
+}
+
+
+def build_static_layer(
+    layer_type: str,
+    *,
+    max_cache_len: int,
+    sliding_window: int | None = None,
+    num_states: int = 1,
+    rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS,
+) -> CacheLayer:
+    """A fresh fixed-shape layer for `layer_type`: `StaticLayer`, `StaticSlidingWindowLayer`,
+    `StaticRecurrentLayer`, or a `HybridLayer` of them (`rollback_tokens`: how many tokens a crop can
+    undo, and the longest update a sliding layer serves at fixed shape)."""
+    builder = STATIC_LAYER_TYPE_BUILDERS.get(layer_type)
+    if builder is None:
+        raise CacheInputError(f"unknown layer type {layer_type!r}; known: {sorted(STATIC_LAYER_TYPE_BUILDERS)}")
+    return builder(max_cache_len, sliding_window, num_states, rollback_tokens)

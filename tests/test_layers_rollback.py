@@ -8,7 +8,15 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvcache import CacheInputError, CacheOverflowError, DynamicLayer, RollbackError, SlidingWindowLayer, StaticLayer
+from kvcache import (
+    CacheInputError,
+    CacheOverflowError,
+    DynamicLayer,
+    RollbackError,
+    SlidingWindowLayer,
+    StaticLayer,
+    StaticSlidingWindowLayer,
+)
 from kvcache.layers.base import CacheLayer
 
 
@@ -20,7 +28,31 @@ def kv(n: int, seed: int, batch: int = 2, heads: int = 2, dim: int = 4) -> tuple
 def make(kind: str, window: int = 5, max_len: int = 64) -> CacheLayer:
     if kind == "sliding":
         return SlidingWindowLayer(window)
+    if kind == "static_sliding":
+        return StaticSlidingWindowLayer(window, max_len, rollback_tokens=6)
     return StaticLayer(max_len) if kind == "static" else DynamicLayer()
+
+
+def seen_by_attention(
+    kind: str, returned: torch.Tensor, offset: int, before: int, after: int, window: int
+) -> torch.Tensor:
+    """The part of an update's returned keys/values that the new queries can attend to: a static
+    layer also returns slots that the mask hides (unwritten, or stale after a crop), whose contents
+    are not part of the contract."""
+    if kind == "static":
+        return returned[:, :, :after]
+    if kind == "static_sliding":
+        first = before - min(before, window - 1)  # the oldest position the first new query sees
+        return returned[:, :, first - offset : after - offset]
+    return returned
+
+
+def held_window(kind: str, state: dict[str, torch.Tensor], window: int) -> dict[str, torch.Tensor]:
+    """A static sliding layer's ring may keep more or fewer old tokens after a crop than one that
+    never cropped: what it must agree on is the window the next query sees."""
+    if kind != "static_sliding" or not state:
+        return state
+    return {name: t[:, :, t.shape[2] - min(t.shape[2], window - 1) :] for name, t in state.items()}
 
 
 def storage_ptr(t: torch.Tensor) -> int:
@@ -29,7 +61,7 @@ def storage_ptr(t: torch.Tensor) -> int:
 
 # ----------------------------------------------------------------------------- crop and regrow
 @given(
-    kind=st.sampled_from(["dynamic", "sliding", "static"]),
+    kind=st.sampled_from(["dynamic", "sliding", "static", "static_sliding"]),
     window=st.integers(1, 6),
     record_after=st.integers(0, 12),
     before=st.lists(st.integers(1, 5), min_size=1, max_size=6),
@@ -62,11 +94,14 @@ def test_cropped_then_regrown_equals_never_cropped(kind, window, record_after, b
         if kind == "static" and a.get_seq_length() + m > 64:
             break
         assert a.get_mask_sizes(m) == b.get_mask_sizes(m)
+        seen, offset = a.get_seq_length(), a.get_mask_sizes(m)[1]
         new = kv(m, seed)
         for got, want in zip(a.update(*new), b.update(*new), strict=True):
-            assert torch.equal(got, want)
+            assert got.shape == want.shape
+            visible = [seen_by_attention(kind, t, offset, seen, seen + m, window) for t in (got, want)]
+            assert torch.equal(*visible)
         assert a.get_seq_length() == b.get_seq_length()
-        sa, sb = a.state, b.state
+        sa, sb = held_window(kind, a.state, window), held_window(kind, b.state, window)
         assert sa.keys() == sb.keys() and all(torch.equal(sa[name], sb[name]) for name in sa)
 
 
@@ -151,7 +186,26 @@ def test_sliding_decode_keeps_one_storage_forever() -> None:
         layer.update(*kv(1, seed % 5, batch=1, heads=1, dim=2))
         ptrs.add(storage_ptr(layer.state["keys"]))
     assert len(ptrs) <= 2
-    assert layer.nbytes() <= 2 * 2 * 4 * 192  # keys+values, 2 dims, fp32: 1.25 x 99 rows, in 64-row blocks
+    assert layer.nbytes() <= 2 * 2 * 4 * 128  # keys+values, 2 dims, fp32: 1.125 x 99 rows, in 64-row blocks
+
+
+@pytest.mark.parametrize("recorded", [0, 1, 4, 16, 64])
+def test_sliding_window_holds_its_bound_plus_an_eighth(recorded: int) -> None:
+    """Bytes held by a recording window stay within 1.125x of `W - 1 + r` tokens plus a 64-token block,
+    after a long prefill, while recording, and after a long decode and commit."""
+    window, row = 1024, 2 * 2 * 4  # keys+values, head_dim 2, fp32
+    layer = SlidingWindowLayer(window)
+    layer.update(*kv(2 * window, 0, batch=1, heads=1, dim=2))
+    assert layer.nbytes() // row <= 1.125 * (window - 1) + 64
+    layer.activate_past_recording()
+    for seed in range(recorded):
+        layer.update(*kv(1, seed % 5, batch=1, heads=1, dim=2))
+    assert layer.nbytes() // row <= 1.125 * (window - 1 + recorded) + 64
+    layer.crop(0)
+    for seed in range(3 * window):  # long decode, committing every step as generate does
+        layer.update(*kv(1, seed % 5, batch=1, heads=1, dim=2))
+        layer.crop(0)
+    assert layer.nbytes() // row <= 1.125 * (window - 1 + 1) + 64
 
 
 @pytest.mark.parametrize("kind", ["dynamic", "sliding", "static"])

@@ -15,6 +15,7 @@ for good. It shares no formula or code with the layers under test.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from dataclasses import dataclass
@@ -31,8 +32,12 @@ from kvcache import (
     RollbackError,
     SlidingWindowLayer,
     StaticLayer,
+    StaticSlidingWindowLayer,
 )
 from kvcache.layers.base import CacheLayer
+
+#: `rollback_tokens` of the static sliding layers under test: small, so the ring wraps often.
+RING_ROOM = 4
 
 FAULTS = ("rank3", "rank5", "seq_mismatch", "batch", "heads", "key_dim", "value_dim", "dtype", "kv_dtype", "device")
 
@@ -58,6 +63,9 @@ class NaiveLayer:
 
     def __init__(self, kind: str, window: int | None = None, max_len: int | None = None) -> None:
         self.kind, self.window, self.max_len = kind, window, max_len
+        if kind == "static_sliding":  # a ring of the window plus RING_ROOM positions
+            self.capacity = min(max_len, window - 1 + RING_ROOM)  # type: ignore[operator,type-var]
+        self.visible = (0, 0)  # the slice of the last update's return that queries can attend to
         self.tokens: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.spec: Spec | None = None
         self.recording = False
@@ -71,7 +79,7 @@ class NaiveLayer:
 
     def needed_from(self, length: int) -> int:
         """Oldest token index that a layer holding `length` tokens needs for its next update."""
-        if self.kind != "sliding":
+        if self.kind not in ("sliding", "static_sliding"):
             return 0
         return max(0, length - (self.window - 1))
 
@@ -85,17 +93,25 @@ class NaiveLayer:
 
     @property
     def is_croppable(self) -> bool:
+        if self.kind == "static_sliding":
+            return self.recording and self.seen - self.commit <= self.max_rollback
         return self.recording if self.kind == "sliding" else True
+
+    def fixed_shape(self, query_length: int) -> bool:
+        """A static sliding update served from the ring: it fits, or the window plus it fits."""
+        return self.seen + query_length <= self.capacity or query_length <= self.capacity - (self.window - 1)
 
     def mask_sizes(self, query_length: int) -> tuple[int, int]:
         if self.kind == "static":
             return self.max_len, 0
+        if self.kind == "static_sliding" and self.fixed_shape(query_length):
+            return self.capacity, max(self.seen + query_length - self.capacity, 0)
         first_visible = self.needed_from(self.seen)
         return self.seen - first_visible + query_length, first_visible
 
     @property
     def max_length(self) -> int:
-        return {"dynamic": -1, "sliding": self.window, "static": self.max_len}[self.kind]
+        return {"dynamic": -1, "sliding": self.window, "static_sliding": self.window, "static": self.max_len}[self.kind]
 
     def stacked(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens [lo, hi) as `[batch, heads, n, dim]` keys and values."""
@@ -131,29 +147,43 @@ class NaiveLayer:
             return CacheInputError
         if self.kind == "static" and self.seen + keys.shape[2] > self.max_len:
             return CacheOverflowError
+        if self.kind == "static_sliding" and not self.fixed_shape(keys.shape[2]) and self.capacity < self.window - 1:
+            return CacheOverflowError
         return None
 
     def update(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append and return what attention must see."""
         if self.spec is None:
             self.spec = Spec(keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3], keys.dtype, keys.device)
-        before = self.seen
-        self.tokens += [(keys[:, :, i].clone(), values[:, :, i].clone()) for i in range(keys.shape[2])]
+        before, n = self.seen, keys.shape[2]
+        ring = self.kind == "static_sliding" and self.fixed_shape(n)
+        self.tokens += [(keys[:, :, i].clone(), values[:, :, i].clone()) for i in range(n)]
+        first = self.needed_from(before)
+        assert first >= self.floor, "model broken: a needed token was evicted"
         if self.kind == "dynamic":
             out = self.stacked(0, self.seen)
-        elif self.kind == "sliding":
-            first = self.needed_from(before)
-            assert first >= self.floor, "model broken: a needed token was evicted"
-            out = self.stacked(first, self.seen)
+        elif self.kind == "static" or ring:
+            # fixed shape: positions [offset, offset + length); only those the queries can see matter
+            length = self.max_len if self.kind == "static" else self.capacity
+            offset = 0 if self.kind == "static" else max(self.seen - length, 0)
+            out = self.padded(first, offset, length)
+            self.visible = (first - offset, self.seen - offset)
         else:
-            k, v = self.stacked(0, self.seen)
-            s = self.spec
-            full_k = torch.zeros(s.batch, s.heads, self.max_len, s.key_dim, dtype=s.dtype)
-            full_v = torch.zeros(s.batch, s.heads, self.max_len, s.value_dim, dtype=s.dtype)
-            full_k[:, :, : self.seen], full_v[:, :, : self.seen] = k, v
-            out = full_k, full_v
+            out = self.stacked(first, self.seen)
+        if not (self.kind == "static" or ring):
+            self.visible = (0, out[0].shape[2])
         self._evict()
         return out
+
+    def padded(self, first: int, offset: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [first, seen) placed at their positions in a zero tensor of positions [offset, offset + length)."""
+        s = self.spec
+        assert s is not None
+        k, v = self.stacked(first, self.seen)
+        full_k = torch.zeros(s.batch, s.heads, length, s.key_dim, dtype=s.dtype)
+        full_v = torch.zeros(s.batch, s.heads, length, s.value_dim, dtype=s.dtype)
+        full_k[:, :, first - offset : self.seen - offset], full_v[:, :, first - offset : self.seen - offset] = k, v
+        return full_k, full_v
 
     def _evict(self) -> None:
         """Drop what no reachable state needs: while recording, any length back to the commit point
@@ -161,6 +191,8 @@ class NaiveLayer:
         if self.kind == "sliding":
             oldest_reachable = self.commit if self.recording else self.seen
             self.floor = max(self.floor, self.needed_from(oldest_reachable))
+        elif self.kind == "static_sliding":  # the ring keeps the last `capacity` positions, recording or not
+            self.floor = max(self.floor, self.seen - self.capacity)
 
     def crop_error(self, arg: object) -> type[Exception] | None:
         if isinstance(arg, bool) or not isinstance(arg, int) or arg > 0:
@@ -189,7 +221,7 @@ class NaiveLayer:
         """Forget every token. A static layer keeps its preallocated storage (fixed addresses for
         compiled graphs), so what its first update fixed still holds."""
         self.tokens, self.commit, self.floor = [], 0, 0
-        if self.kind != "static":
+        if self.kind not in ("static", "static_sliding"):
             self.spec = None
 
     def index_error(self, index: object) -> type[Exception] | None:
@@ -245,6 +277,8 @@ def build_layer(kind: str, window: int, max_len: int) -> CacheLayer:
         return DynamicLayer()
     if kind == "sliding":
         return SlidingWindowLayer(window)
+    if kind == "static_sliding":
+        return StaticSlidingWindowLayer(window, max_len, rollback_tokens=RING_ROOM)
     return StaticLayer(max_len)
 
 
@@ -334,13 +368,17 @@ class LayerMachine(RuleBasedStateMachine):
         predicted = self.layer.get_mask_sizes(n)
         got_k, got_v = self.layer.update(keys, values)
         want_k, want_v = self.model.update(keys, values)
-        assert_bitwise(got_k, want_k)
-        assert_bitwise(got_v, want_v)
+        # A static layer returns fixed-shape tensors whose other slots the mask hides (unwritten,
+        # or holding cropped tokens): only the visible slots are part of the contract.
+        lo, hi = self.model.visible
+        assert got_k.shape == want_k.shape and got_v.shape == want_v.shape
+        assert_bitwise(got_k[:, :, lo:hi], want_k[:, :, lo:hi])
+        assert_bitwise(got_v[:, :, lo:hi], want_v[:, :, lo:hi])
         # The mask sizes announced before the update describe exactly what it returned.
         assert predicted[0] == got_k.shape[2]
-        if self.kind != "static":
-            assert_bitwise(got_k, self.model.stacked(predicted[1], predicted[1] + predicted[0])[0])
-        self.last_returned = (got_k, got_v, want_k, want_v)
+        first, last = predicted[1] + lo, predicted[1] + hi  # the absolute positions of the visible slots
+        assert_bitwise(got_k[:, :, lo:hi], self.model.stacked(first, last)[0])
+        self.last_returned = (got_k[:, :, lo:hi], got_v[:, :, lo:hi], want_k[:, :, lo:hi], want_v[:, :, lo:hi])
 
     @rule(n=st.integers(0, 12))
     def crop_back(self, n) -> None:
@@ -448,10 +486,11 @@ class LayerMachine(RuleBasedStateMachine):
         if held and (self.kind != "static" or old.get_seq_length() < old.get_max_length()):
             gen = torch.Generator().manual_seed(seed)
             k, v = held["keys"], held["values"]
-            old.update(
-                torch.randn(*k.shape[:2], 1, k.shape[3], generator=gen).to(k.dtype),
-                torch.randn(*v.shape[:2], 1, v.shape[3], generator=gen).to(v.dtype),
-            )
+            with contextlib.suppress(CacheOverflowError):  # a static sliding ring smaller than its window, full
+                old.update(
+                    torch.randn(*k.shape[:2], 1, k.shape[3], generator=gen).to(k.dtype),
+                    torch.randn(*v.shape[:2], 1, v.shape[3], generator=gen).to(v.dtype),
+                )
         old.reset()
         assert_same_snapshot(snapshot(self.layer), before)
 
@@ -497,6 +536,11 @@ class StaticMachine(LayerMachine):
     kind = "static"
 
 
+class StaticSlidingMachine(LayerMachine):
+    kind = "static_sliding"
+
+
 TestDynamicLayer = LayerMachine.TestCase
 TestSlidingWindowLayer = SlidingMachine.TestCase
 TestStaticLayer = StaticMachine.TestCase
+TestStaticSlidingWindowLayer = StaticSlidingMachine.TestCase

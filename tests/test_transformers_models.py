@@ -310,6 +310,43 @@ def test_prefill_and_decode_logits_match_transformers_cache(kind: str) -> None:
     assert kv.get_seq_length() == expected_length  # recurrent-only models count their tokens too
 
 
+#: A static cache's attention reads fixed-shape keys (unwritten slots masked), transformers' dynamic
+#: cache exactly the tokens: different reductions. The difference scales with the logits (T5's reach
+#: 81 here), so the bound is relative to the largest logit: measured at 1 and 2 threads, at most
+#: 2.8e-6 of it (T5; decoder-only families 2.4e-7 to 4.8e-7, Mamba2 0).
+STATIC_RTOL_OF_MAX = 2e-5
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_static_cache_from_config_gives_transformers_logits(kind: str) -> None:
+    """`cache_from_config(static=True)`: fixed-shape layers of the right kind for every family, and
+    the logits of transformers' own cache within a stated tolerance."""
+    model = tiny_model(kind)
+    source = prompt()
+    cache = cache_from_config(model.config, static=True, max_cache_len=64)
+    kv = cache.self_attention_cache if model.config.is_encoder_decoder else cache
+    assert kv.is_compileable, [type(layer).__name__ for layer in kv]
+    ours, theirs = Stepper(model, cache, source), Stepper(model, hf_cache(model), source)
+    tokens = first_tokens(model, source)
+    for step in range(1 + DECODE_STEPS):
+        expected = theirs(tokens)
+        got = ours(tokens)
+        atol = STATIC_RTOL_OF_MAX * expected.abs().max().item()
+        torch.testing.assert_close(got, expected, atol=atol, rtol=0, msg=lambda m, s=step: f"step {s}: {m}")
+        tokens = expected[:, -1:].argmax(-1)
+    assert kv.get_seq_length() == first_tokens(model, source).shape[1] + DECODE_STEPS
+
+
+def test_static_cache_from_config_arguments() -> None:
+    config = tiny_model("gemma3").config
+    kinds = [type(layer).__name__ for layer in cache_from_config(config, static=True, max_cache_len=32)]
+    assert kinds == ["StaticSlidingWindowLayer", "StaticLayer", "StaticSlidingWindowLayer"]
+    for bad in ({"static": True}, {"static": True, "max_cache_len": 0}, {"max_cache_len": 32}, {"static": 1},
+                {"static": True, "max_cache_len": 32, "rollback_tokens": 0}):  # fmt: skip
+        with pytest.raises(CacheInputError):
+            cache_from_config(config, **bad)
+
+
 def test_past_key_values_keyword_still_works() -> None:
     """transformers 5.24 renamed `past_key_values` to `cache` (deprecated until 5.40): both take ours."""
     model, source = tiny_model("llama"), prompt()

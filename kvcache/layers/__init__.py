@@ -7,6 +7,8 @@ from .hybrid import HybridLayer
 from .recurrent import RecurrentLayer
 from .sliding import SlidingWindowLayer
 from .static import StaticLayer
+from .static_recurrent import StaticRecurrentLayer
+from .static_sliding import StaticSlidingWindowLayer
 
 __all__ = [
     "LAYER_REGISTRY",
@@ -17,5 +19,7 @@ __all__ = [
     "RecurrentLayer",
     "SlidingWindowLayer",
     "StaticLayer",
+    "StaticRecurrentLayer",
+    "StaticSlidingWindowLayer",
     "register_layer",
 ]

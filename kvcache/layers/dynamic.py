@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from typing_extensions import Self
@@ -10,16 +10,19 @@ from typing_extensions import Self
 from ..errors import CacheInputError
 from ..validation import check_query_length
 from .base import CacheLayer, register_layer
-from .kv_buffer import KVBuffer
+from .kv_buffer import GROWTH, KVBuffer
 
 
 @register_layer
 class DynamicLayer(CacheLayer):
     """All keys/values seen. An append costs the new tokens only; `crop(-n)` moves an index."""
 
+    #: Headroom of the growth buffer (see `kv_buffer`).
+    growth: ClassVar[float] = GROWTH
+
     def __init__(self) -> None:
         super().__init__()
-        self._kv = KVBuffer()
+        self._kv = KVBuffer(self.growth)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -64,7 +67,7 @@ class DynamicLayer(CacheLayer):
         self._kv.shrink()
 
     def reset(self) -> None:
-        self._kv = KVBuffer()
+        self._kv = KVBuffer(self.growth)
 
     @property
     def batch_size(self) -> int | None:
@@ -102,7 +105,7 @@ class DynamicLayer(CacheLayer):
             raise CacheInputError(f"{type(self).__name__}: expected tensors 'keys' and 'values', got {sorted(state)}")
         keys, values = state["keys"], state["values"]
         check_loaded_pair(keys, values, kept, type(self).__name__)
-        self._kv = KVBuffer.from_tensors(keys, values)  # a copy: the layer never aliases what it was given
+        self._kv = KVBuffer.from_tensors(keys, values, self.growth)  # a copy: the layer never aliases what it was given
 
     @classmethod
     def from_state(cls, meta_state: dict[str, Any], state: dict[str, torch.Tensor]) -> Self:

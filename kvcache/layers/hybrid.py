@@ -9,12 +9,11 @@ from typing_extensions import Self
 
 from ..errors import CacheInputError
 from .base import LAYER_REGISTRY, CacheLayer, register_layer
-from .recurrent import RecurrentLayer
 
 
 @register_layer
 class HybridLayer(CacheLayer):
-    """An attention layer and a `RecurrentLayer` under one layer index, by composition.
+    """An attention layer and a recurrent layer under one layer index, by composition.
 
     Attention calls (`update`, `get_mask_sizes`, ...) go to `attention`, conv/recurrent calls to
     `recurrent`. Rollback and batch operations act on both and are checked on both before either
@@ -24,11 +23,13 @@ class HybridLayer(CacheLayer):
     has_attention = True
     has_recurrent = True
 
-    def __init__(self, attention: CacheLayer, recurrent: RecurrentLayer) -> None:
+    def __init__(self, attention: CacheLayer, recurrent: CacheLayer) -> None:
         if not isinstance(attention, CacheLayer) or not attention.has_attention or attention.has_recurrent:
             raise CacheInputError(f"HybridLayer: attention must be an attention-only CacheLayer, got {attention!r}")
-        if not isinstance(recurrent, RecurrentLayer):
-            raise CacheInputError(f"HybridLayer: recurrent must be a RecurrentLayer, got {recurrent!r}")
+        if not isinstance(recurrent, CacheLayer) or recurrent.has_attention or not recurrent.has_recurrent:
+            raise CacheInputError(
+                f"HybridLayer: recurrent must be a RecurrentLayer or StaticRecurrentLayer, got {recurrent!r}"
+            )
         super().__init__()
         self.attention = attention
         self.recurrent = recurrent
@@ -39,6 +40,10 @@ class HybridLayer(CacheLayer):
     @property
     def is_sliding(self) -> bool:  # type: ignore[override]
         return self.attention.is_sliding
+
+    @property
+    def is_compileable(self) -> bool:  # type: ignore[override]
+        return self.attention.is_compileable and self.recurrent.is_compileable
 
     # ------------------------------------------------------------------------------ attention
     def update(

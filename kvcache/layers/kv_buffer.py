@@ -18,14 +18,18 @@ CAPACITY_BLOCK = 64
 #: A (re)allocation for `n` live tokens reserves room for `n * GROWTH` (rounded up to a block), so
 #: appends are amortized O(new tokens) while storage stays within 1.25x of the live tokens plus a block.
 GROWTH = 1.25
+#: The headroom of a sliding window's buffer: its live size is bounded, so the headroom only sets
+#: how often it slides in place (a copy of the window every `W / 8` appended tokens) and what it holds
+#: beyond `W - 1 + r` (1.125x, plus a block).
+WINDOW_GROWTH = 1.125
 #: A window whose dropped front holds at least 1/MAX_SLIDE_CHUNKS of its live rows slides down in
 #: place (that many non-overlapping copies) rather than reallocating.
 MAX_SLIDE_CHUNKS = 8
 
 
-def capacity_for(n: int) -> int:
+def capacity_for(n: int, growth: float = GROWTH) -> int:
     """Storage rows to allocate for `n` live tokens: headroom for appends, rounded to a block."""
-    want = int(n * GROWTH) + 1
+    want = int(n * growth) + 1
     return -(-want // CAPACITY_BLOCK) * CAPACITY_BLOCK
 
 
@@ -84,19 +88,20 @@ class KVBuffer:
     mutating call.
     """
 
-    __slots__ = ("end", "keys", "start", "values")
+    __slots__ = ("end", "growth", "keys", "start", "values")
 
-    def __init__(self) -> None:
+    def __init__(self, growth: float = GROWTH) -> None:
         self.keys: torch.Tensor | None = None  # [capacity, batch, kv_heads, head_dim]
         self.values: torch.Tensor | None = None
         self.start = 0
         self.end = 0
+        self.growth = growth
 
     @classmethod
-    def from_tensors(cls, keys: torch.Tensor, values: torch.Tensor) -> KVBuffer:
+    def from_tensors(cls, keys: torch.Tensor, values: torch.Tensor, growth: float = GROWTH) -> KVBuffer:
         """A buffer holding a copy of `[batch, heads, seq, dim]` `keys`/`values`, with the headroom a
         grown buffer has (so the next append costs what a steady append costs)."""
-        buf = cls()
+        buf = cls(growth)
         buf._adopt(_seq_major(keys), _seq_major(values))
         return buf
 
@@ -136,7 +141,7 @@ class KVBuffer:
 
     def _reserve(self, n: int, key_like: torch.Tensor, value_like: torch.Tensor) -> None:
         if self.keys is None or self.values is None:
-            cap = capacity_for(n)
+            cap = capacity_for(n, self.growth)
             self.keys = key_like.new_empty(cap, *key_like.shape[:2], key_like.shape[3])
             self.values = value_like.new_empty(cap, *value_like.shape[:2], value_like.shape[3])
             self.start = self.end = 0
@@ -163,7 +168,7 @@ class KVBuffer:
     def _adopt(self, keys: torch.Tensor, values: torch.Tensor, extra: int = 0) -> None:
         """Fresh storage holding copies of sequence-major `keys`/`values`, sized for `extra` more."""
         live = keys.shape[0]
-        cap = capacity_for(live + extra)
+        cap = capacity_for(live + extra, self.growth)
         new_keys = keys.new_empty(cap, *keys.shape[1:])
         new_values = values.new_empty(cap, *values.shape[1:])
         new_keys[:live].copy_(keys)
@@ -181,7 +186,9 @@ class KVBuffer:
         """Give back storage when far more is held than the live tokens need (after a big crop or
         a long prefill into a window). The threshold (2x of a fresh allocation) leaves room so it
         never alternates with a regrowth."""
-        if self.keys is not None and self.values is not None and self.capacity > 2 * capacity_for(len(self)):
+        if self.keys is None or self.values is None:
+            return
+        if self.capacity > 2 * capacity_for(len(self), self.growth):
             self._adopt(self.keys[self.start : self.end], self.values[self.start : self.end])
 
     def index_batch(self, index: torch.Tensor) -> None:

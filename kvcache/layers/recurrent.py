@@ -43,7 +43,7 @@ from typing_extensions import Self
 
 from ..errors import CacheInputError, RollbackError
 from .base import CacheLayer, register_layer
-from .recurrent_slots import CONV_BLOCK, LOST, Slot, Step, restore_slots
+from .recurrent_slots import CONV_BLOCK, LOST, Slot, Step, restore_slots, step_tokens
 
 
 def _positive_int(value: Any, name: str) -> int:
@@ -204,32 +204,8 @@ class RecurrentLayer(CacheLayer):
                 f"update_recurrent_state: new state {_describe(recurrent_states)} does not match the held "
                 f"state {_describe(held)}"
             )
-        k = None
-        if intermediate_states is not None:
-            inter = intermediate_states
-            if (
-                not isinstance(inter, torch.Tensor)
-                or inter.dim() != recurrent_states.dim() + 1
-                or inter.shape[0] != recurrent_states.shape[0]
-                or inter.shape[2:] != recurrent_states.shape[1:]
-                or inter.shape[1] < 1
-                or inter.dtype != recurrent_states.dtype
-                or inter.device != recurrent_states.device
-            ):
-                got = _describe(inter) if isinstance(inter, torch.Tensor) else type(inter).__name__
-                raise CacheInputError(
-                    f"update_recurrent_state: intermediate_states must be [batch, k>=1, ...] like the state "
-                    f"{_describe(recurrent_states)}, got {got}"
-                )
-            k = inter.shape[1]
-        if num_tokens is not None:
-            _positive_int(num_tokens, "num_tokens")
+        k, tokens = step_tokens(recurrent_states, intermediate_states, num_tokens, slot.open_tokens)
         attach = slot.open_tokens is not None
-        tokens = slot.open_tokens if attach else (k or num_tokens or 1)
-        for given, label in ((k, "intermediate_states.shape[1]"), (num_tokens, "num_tokens")):
-            if given is not None and given != tokens:
-                source = "the conv update of this step" if attach else "the other argument"
-                raise CacheInputError(f"update_recurrent_state: {label} = {given} but {source} gave {tokens} token(s)")
 
         if self._recording:
             inter_copy = None if k is None or k == 1 else intermediate_states[:, : k - 1].clone()  # type: ignore[index]

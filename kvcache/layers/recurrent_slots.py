@@ -17,6 +17,40 @@ CONV_BLOCK = 16
 LOST = "lost"
 
 
+def describe(t: Any) -> str:
+    return f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def step_tokens(
+    recurrent_states: torch.Tensor, intermediate_states: Any, num_tokens: Any, open_tokens: int | None
+) -> tuple[int | None, int]:
+    """Check an `update_recurrent_state` call's step arguments against each other and against the
+    conv update that opened the step (`open_tokens`); return `(k, tokens)`: the number of
+    intermediate states given (None: none) and the step's token count (the step rule)."""
+    k = None
+    if intermediate_states is not None:
+        inter, like = intermediate_states, recurrent_states
+        if (
+            not isinstance(inter, torch.Tensor) or inter.dim() != like.dim() + 1 or inter.shape[0] != like.shape[0]
+            or inter.shape[2:] != like.shape[1:] or inter.shape[1] < 1 or inter.dtype != like.dtype
+            or inter.device != like.device
+        ):  # fmt: skip
+            raise CacheInputError(
+                f"update_recurrent_state: intermediate_states must be [batch, k>=1, ...] like the state "
+                f"{describe(like)}, got {describe(inter)}"
+            )
+        k = inter.shape[1]
+    if num_tokens is not None and (isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1):
+        raise CacheInputError(f"num_tokens must be a positive int, got {num_tokens!r}")
+    attach = open_tokens is not None
+    tokens = open_tokens if attach else (k or num_tokens or 1)
+    for given, label in ((k, "intermediate_states.shape[1]"), (num_tokens, "num_tokens")):
+        if given is not None and given != tokens:
+            source = "the conv update of this step" if attach else "the other argument"
+            raise CacheInputError(f"update_recurrent_state: {label} = {given} but {source} gave {tokens} token(s)")
+    return k, tokens  # type: ignore[return-value]
+
+
 @dataclass
 class Step:
     """One recorded step of one state index."""

@@ -11,6 +11,7 @@ from ..errors import CacheInputError
 from ..validation import check_query_length
 from .base import register_layer
 from .dynamic import DynamicLayer, nonneg_int
+from .kv_buffer import WINDOW_GROWTH
 
 
 @register_layer
@@ -23,6 +24,7 @@ class SlidingWindowLayer(DynamicLayer):
     """
 
     is_sliding = True
+    growth = WINDOW_GROWTH  # the live size is bounded: less headroom, more frequent slides in place
 
     def __init__(self, sliding_window: int) -> None:
         if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:

@@ -14,13 +14,62 @@ from .dynamic import check_loaded_pair, nonneg_int
 from .kv_buffer import check_kv_pair, check_matches
 
 
+class FixedKVLayer(CacheLayer):
+    """What the fixed-shape attention layers share: keys/values `[batch, kv_heads, slots, head_dim]`
+    allocated once (zeroed) at the first update, the update checks, and batch operations."""
+
+    is_compileable = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.keys is not None
+
+    def _allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, slots: int) -> None:
+        batch, heads = key_states.shape[:2]
+        self.keys = key_states.new_zeros(batch, heads, slots, key_states.shape[3])
+        self.values = value_states.new_zeros(batch, heads, slots, value_states.shape[3])
+
+    def _check_update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        who = type(self).__name__
+        check_kv_pair(key_states, value_states, who)
+        if self.keys is not None and self.values is not None:
+            for held, new, name in ((self.keys, key_states, "keys"), (self.values, value_states, "values")):
+                check_matches((held.shape[0], held.shape[1], held.shape[3]), held.dtype, held.device, new, name, who)
+
+    @property
+    def batch_size(self) -> int | None:
+        return None if self.keys is None else self.keys.shape[0]
+
+    def _index_batch(self, index: torch.Tensor) -> None:
+        if self.keys is not None and self.values is not None:
+            index = index.to(self.keys.device)
+            self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
+
+    def nbytes(self) -> int:
+        return 0 if self.keys is None or self.values is None else self.keys.nbytes + self.values.nbytes
+
+    def _zero(self) -> None:
+        """Forget the contents, keep storage and addresses (a reset layer holds nothing of its past)."""
+        if self.keys is not None and self.values is not None:
+            self.keys.zero_()
+            self.values.zero_()
+
+
 @register_layer
-class StaticLayer(CacheLayer):
+class StaticLayer(FixedKVLayer):
     """Keys/values in tensors of fixed shape `[batch, kv_heads, max_cache_len, head_dim]`.
 
     `update` writes in place and returns the whole preallocated tensors (positions past the length
-    are zero and masked out: `get_mask_sizes` reports `max_cache_len`), so shapes and addresses
-    never change. Rollback zeroes the removed positions, so a crop-and-regrow is bitwise exact.
+    are masked out: `get_mask_sizes` reports `max_cache_len`), so shapes and addresses never change.
+    Rollback only moves the length (O(1) whatever the count): the removed positions keep their old
+    values until overwritten, behind the causal mask. A masked key gets softmax weight exactly 0, so
+    a crop-and-regrow computes bit for bit what a straight run computes, provided those stale
+    values are finite (they are keys/values an earlier forward produced; `state` never includes them).
 
     The length lives twice: as a host int (bookkeeping, checks) and as a 0-dim device tensor
     advanced in place, which is what an `update` traced by `torch.compile` writes at. A compiled
@@ -29,15 +78,11 @@ class StaticLayer(CacheLayer):
     needed.
     """
 
-    is_compileable = True
-
     def __init__(self, max_cache_len: int) -> None:
         if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
             raise CacheInputError(f"max_cache_len must be a positive int, got {max_cache_len!r}")
         super().__init__()
         self.max_cache_len = max_cache_len
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
         self._host_length: int | None = 0  # None after compiled updates, until read back
         self._position = torch.zeros((), dtype=torch.long)  # the length, on the keys' device
 
@@ -51,31 +96,21 @@ class StaticLayer(CacheLayer):
         self._host_length = length
         self._position.fill_(length)
 
-    @property
-    def is_initialized(self) -> bool:
-        return self.keys is not None
-
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Allocate zeroed storage shaped after `key_states`/`value_states` (batch, heads, dims)."""
-        batch, heads = key_states.shape[:2]
-        self.keys = key_states.new_zeros(batch, heads, self.max_cache_len, key_states.shape[3])
-        self.values = value_states.new_zeros(batch, heads, self.max_cache_len, value_states.shape[3])
+        self._allocate(key_states, value_states, self.max_cache_len)
         self._position = self._position.to(key_states.device)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        who = type(self).__name__
-        check_kv_pair(key_states, value_states, who)
-        if self.keys is not None and self.values is not None:
-            for held, new, name in ((self.keys, key_states, "keys"), (self.values, value_states, "values")):
-                check_matches((held.shape[0], held.shape[1], held.shape[3]), held.dtype, held.device, new, name, who)
+        self._check_update(key_states, value_states)
         n = key_states.shape[2]
         if torch.compiler.is_compiling():
             return self._update_compiled(key_states, value_states)
         if self._length + n > self.max_cache_len:
             raise CacheOverflowError(
-                f"{who}: {self._length} + {n} token(s) exceed max_cache_len={self.max_cache_len}"
+                f"{type(self).__name__}: {self._length} + {n} token(s) exceed max_cache_len={self.max_cache_len}"
             )
         if self.keys is None:
             self.lazy_initialization(key_states, value_states)
@@ -100,6 +135,11 @@ class StaticLayer(CacheLayer):
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
+        if torch.compiler.is_compiling():
+            # traced code gets the device-side length (as transformers' StaticLayer returns): reading the
+            # host int would guard on it and recompile whenever it changes. A copy: the length tensor
+            # itself advances at the next update, and callers hold on to what they were told.
+            return self._position.clone()  # type: ignore[return-value]
         return self._length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -118,31 +158,14 @@ class StaticLayer(CacheLayer):
         return True
 
     def _remove_last(self, n: int) -> None:
-        assert self.keys is not None and self.values is not None
-        self.keys[:, :, self._length - n : self._length].zero_()
-        self.values[:, :, self._length - n : self._length].zero_()
         self._set_length(self._length - n)
 
     def _commit(self) -> None:
         pass  # nothing beyond the working set is ever kept
 
     def reset(self) -> None:
-        if self.keys is not None and self.values is not None:
-            self.keys[:, :, : self._length].zero_()
-            self.values[:, :, : self._length].zero_()
+        self._zero()
         self._set_length(0)
-
-    @property
-    def batch_size(self) -> int | None:
-        return None if self.keys is None else self.keys.shape[0]
-
-    def _index_batch(self, index: torch.Tensor) -> None:
-        if self.keys is not None and self.values is not None:
-            index = index.to(self.keys.device)
-            self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
-
-    def nbytes(self) -> int:
-        return 0 if self.keys is None or self.values is None else self.keys.nbytes + self.values.nbytes
 
     @property
     def state(self) -> dict[str, torch.Tensor]:

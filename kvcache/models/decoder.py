@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..cache import Cache, DynamicCache
+from ..cache import Cache, DynamicCache, StaticCache
+from ..layers.static_sliding import DEFAULT_ROLLBACK_TOKENS
 from .modules import MLP, RMSNorm, SelfAttention, check_inputs, check_layer_types, default_position_ids, init_weights
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
@@ -93,6 +94,13 @@ class DecoderLM(nn.Module):
     def new_cache(self) -> Cache:
         """A fresh `DynamicCache` with one layer per model layer, of the kind its layer type names."""
         return DynamicCache(layer_types=self.config.layer_types, sliding_window=self.config.sliding_window)
+
+    def new_static_cache(self, max_cache_len: int, rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS) -> Cache:
+        """A fresh `StaticCache` (fixed shapes, for `torch.compile`) with one layer per model layer."""
+        return StaticCache(
+            max_cache_len, layer_types=self.config.layer_types, sliding_window=self.config.sliding_window,
+            rollback_tokens=rollback_tokens,
+        )  # fmt: skip
 
     def forward(
         self,

@@ -93,9 +93,9 @@ def check_inputs(
         raise CacheInputError("input_ids must be an integer tensor [batch, seq]")
     if input_ids.shape[1] == 0:
         raise CacheInputError("input_ids has no tokens")
-    # Range check on the host only: on an accelerator it would make the host wait every step
-    # (the generation driver validates prompts once, up front, on every device).
-    on_host = input_ids.device.type == "cpu"
+    # Range check on the host only, and not in a compiled forward: on an accelerator, or traced, it
+    # would make the host wait every step (the generation driver validates prompts once, up front).
+    on_host = input_ids.device.type == "cpu" and not torch.compiler.is_compiling()
     if on_host and input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
         raise CacheInputError(f"input_ids out of range for vocab_size {vocab_size}")
     batch, length = input_ids.shape
