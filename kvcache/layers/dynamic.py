@@ -27,9 +27,7 @@ class DynamicLayer(CacheLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        self._kv.check(key_states, value_states, type(self).__name__)
-        self._kv.append(key_states, value_states)
-        return self._kv.live()
+        return self._kv.push(key_states, value_states, "DynamicLayer")
 
     @property
     def keys(self) -> torch.Tensor | None:

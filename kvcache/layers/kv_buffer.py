@@ -88,14 +88,23 @@ class KVBuffer:
     mutating call.
     """
 
-    __slots__ = ("end", "growth", "keys", "start", "values")
+    __slots__ = ("_keys_bm", "_signature", "_values_bm", "end", "growth", "keys", "start", "values")
 
     def __init__(self, growth: float = GROWTH) -> None:
         self.keys: torch.Tensor | None = None  # [capacity, batch, kv_heads, head_dim]
         self.values: torch.Tensor | None = None
+        self._keys_bm: torch.Tensor | None = None  # the same storage seen as [batch, kv_heads, capacity, head_dim]
+        self._values_bm: torch.Tensor | None = None
+        self._signature: tuple = ()  # (batch, kv_heads, key dim, value dim, dtype, device) that updates must match
         self.start = 0
         self.end = 0
         self.growth = growth
+
+    def _set_storage(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Adopt sequence-major storage, and the batch-major views every later call slices (one op a view)."""
+        self.keys, self.values = keys, values
+        self._keys_bm, self._values_bm = _batch_major(keys), _batch_major(values)
+        self._signature = (keys.shape[1], keys.shape[2], keys.shape[3], values.shape[3], keys.dtype, keys.device)
 
     @classmethod
     def from_tensors(cls, keys: torch.Tensor, values: torch.Tensor, growth: float = GROWTH) -> KVBuffer:
@@ -114,36 +123,57 @@ class KVBuffer:
 
     def tail(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views `[batch, heads, n, dim]` of the last `n` live tokens."""
-        assert self.keys is not None and self.values is not None
+        assert self._keys_bm is not None and self._values_bm is not None
         lo = self.end - n
-        return _batch_major(self.keys[lo : self.end]), _batch_major(self.values[lo : self.end])
+        return self._keys_bm.narrow(2, lo, n), self._values_bm.narrow(2, lo, n)
 
     def live(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of all live tokens, oldest first."""
         return self.tail(len(self))
 
     def check(self, key_states: torch.Tensor, value_states: torch.Tensor, who: str) -> None:
-        """Raise `CacheInputError` unless the pair can be appended."""
+        """Raise `CacheInputError` unless the pair can be appended. The common case (the shapes, dtype
+        and device of the held tensors) is one comparison; anything else takes the full checks, which
+        name what is wrong."""
+        if self._signature and isinstance(key_states, torch.Tensor) and isinstance(value_states, torch.Tensor):
+            ks, vs = key_states.shape, value_states.shape
+            if (
+                len(ks) == 4 and len(vs) == 4 and ks[2] == vs[2]
+                and (ks[0], ks[1], ks[3], vs[3], key_states.dtype, key_states.device) == self._signature
+                and vs[0] == ks[0] and vs[1] == ks[1] and value_states.dtype == key_states.dtype
+                and value_states.device == key_states.device
+            ):  # fmt: skip
+                return
         check_kv_pair(key_states, value_states, who)
         if self.keys is not None and self.values is not None:
             keys, values = self.keys, self.values
             check_matches(tuple(keys.shape[1:]), keys.dtype, keys.device, key_states, "keys", who)  # type: ignore[arg-type]
             check_matches(tuple(values.shape[1:]), values.dtype, values.device, value_states, "values", who)  # type: ignore[arg-type]
 
+    def push(self, key_states: torch.Tensor, value_states: torch.Tensor, who: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """`check`, `append` and `live` in one call: a decode step's whole cost is two writes and two views."""
+        self.check(key_states, value_states, who)
+        self.append(key_states, value_states)
+        keys_bm, values_bm, start, n = self._keys_bm, self._values_bm, self.start, self.end - self.start
+        return keys_bm.narrow(2, start, n), values_bm.narrow(2, start, n)  # type: ignore[union-attr]
+
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Write new tokens after the live window (call `check` first)."""
-        n = key_states.shape[2]
-        self._reserve(n, key_states, value_states)
-        assert self.keys is not None and self.values is not None
-        self.keys[self.end : self.end + n].copy_(_seq_major(key_states))
-        self.values[self.end : self.end + n].copy_(_seq_major(value_states))
-        self.end += n
+        n, end = key_states.shape[2], self.end
+        if self.keys is None or end + n > self.keys.shape[0]:
+            self._reserve(n, key_states, value_states)
+            end = self.end
+        self._keys_bm.narrow(2, end, n).copy_(key_states)  # type: ignore[union-attr]
+        self._values_bm.narrow(2, end, n).copy_(value_states)  # type: ignore[union-attr]
+        self.end = end + n
 
     def _reserve(self, n: int, key_like: torch.Tensor, value_like: torch.Tensor) -> None:
         if self.keys is None or self.values is None:
             cap = capacity_for(n, self.growth)
-            self.keys = key_like.new_empty(cap, *key_like.shape[:2], key_like.shape[3])
-            self.values = value_like.new_empty(cap, *value_like.shape[:2], value_like.shape[3])
+            self._set_storage(
+                key_like.new_empty(cap, *key_like.shape[:2], key_like.shape[3]),
+                value_like.new_empty(cap, *value_like.shape[:2], value_like.shape[3]),
+            )
             self.start = self.end = 0
             return
         if self.end + n <= self.capacity:
@@ -173,7 +203,8 @@ class KVBuffer:
         new_values = values.new_empty(cap, *values.shape[1:])
         new_keys[:live].copy_(keys)
         new_values[:live].copy_(values)
-        self.keys, self.values, self.start, self.end = new_keys, new_values, 0, live
+        self._set_storage(new_keys, new_values)
+        self.start, self.end = 0, live
 
     def drop_last(self, n: int) -> None:
         self.end -= n

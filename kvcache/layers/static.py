@@ -35,6 +35,19 @@ class FixedKVLayer(CacheLayer):
         self.values = value_states.new_zeros(batch, heads, slots, value_states.shape[3])
 
     def _check_update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Raise `CacheInputError` unless the pair matches the held tensors: the common case is one
+        comparison, anything else takes the full checks, which name what is wrong."""
+        keys, values = self.keys, self.values
+        if keys is not None and values is not None and isinstance(key_states, torch.Tensor):
+            ks, vs = key_states.shape, getattr(value_states, "shape", ())
+            if (
+                len(ks) == 4 and len(vs) == 4 and ks[2] == vs[2]
+                and ks[0] == vs[0] == keys.shape[0] and ks[1] == vs[1] == keys.shape[1]
+                and ks[3] == keys.shape[3] and vs[3] == values.shape[3]
+                and key_states.dtype == value_states.dtype == keys.dtype  # type: ignore[union-attr]
+                and key_states.device == value_states.device == keys.device  # type: ignore[union-attr]
+            ):  # fmt: skip
+                return
         who = type(self).__name__
         check_kv_pair(key_states, value_states, who)
         if self.keys is not None and self.values is not None:
@@ -114,11 +127,11 @@ class StaticLayer(FixedKVLayer):
             )
         if self.keys is None:
             self.lazy_initialization(key_states, value_states)
-        assert self.keys is not None and self.values is not None
-        self.keys[:, :, self._length : self._length + n].copy_(key_states)
-        self.values[:, :, self._length : self._length + n].copy_(value_states)
-        self._set_length(self._length + n)
-        return self.keys, self.values
+        length = self._length
+        self.keys.narrow(2, length, n).copy_(key_states)  # type: ignore[union-attr]
+        self.values.narrow(2, length, n).copy_(value_states)  # type: ignore[union-attr]
+        self._set_length(length + n)
+        return self.keys, self.values  # type: ignore[return-value]
 
     def _update_compiled(
         self, key_states: torch.Tensor, value_states: torch.Tensor
