@@ -130,7 +130,7 @@ class RecurrentLayer(CacheLayer):
         if self._recording:
             if slot.steps:
                 slot.steps[-1].open = False
-            before = None if slot.rec is None else slot.rec.clone()
+            before = None if slot.rec is None else slot.snapshot(slot.rec)
             slot.steps.append(Step(tokens=n, conv_tokens=n, before=before))
             returned = self._append_conv(slot, conv_states, kernel)
         elif slot.conv is None:
@@ -218,7 +218,7 @@ class RecurrentLayer(CacheLayer):
                 elif _same_storage(recurrent_states, held):
                     before = LOST  # mutated in place before we could snapshot it
                 else:
-                    before = held.clone()
+                    before = slot.snapshot(held)
                 step = Step(tokens=tokens, conv_tokens=0, before=before)  # type: ignore[arg-type]
                 slot.steps.append(step)
             step.inter, step.rec_updated, step.open = inter_copy, True, False

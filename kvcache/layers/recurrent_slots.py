@@ -15,6 +15,10 @@ CONV_BLOCK = 16
 
 #: `Step.before` marker: the state before the step was overwritten in place before we saw it.
 LOST = "lost"
+#: Snapshot buffers a slot keeps for reuse when a commit or crop drops them: speculative decoding
+#: records a few steps, commits, and records again, and reusing the buffers spares the allocator a
+#: free and a malloc of a whole state per step (on glibc a free can trim, and stall for milliseconds).
+SPARE_SNAPSHOTS = 8
 
 
 def describe(t: Any) -> str:
@@ -81,6 +85,7 @@ class Slot:
         "open_tokens",
         "rec",
         "seen",
+        "spare",
         "steps",
     )
 
@@ -94,6 +99,21 @@ class Slot:
         self.open_tokens: int | None = None  # tokens of a conv update awaiting its recurrent update
         self.open_at_commit: int | None = None  # `open_tokens` at the commit point
         self.steps: list[Step] = []
+        self.spare: list[torch.Tensor] = []  # dropped snapshot buffers, reused by `snapshot`
+
+    def snapshot(self, state: torch.Tensor) -> torch.Tensor:
+        """A private copy of `state`, in a reused buffer when one fits."""
+        while self.spare:
+            buffer = self.spare.pop()
+            if buffer.shape == state.shape and buffer.dtype == state.dtype and buffer.device == state.device:
+                return buffer.copy_(state)
+        return state.clone()
+
+    def release(self, steps: list[Step]) -> None:
+        """Keep the snapshot buffers of dropped steps for reuse (up to `SPARE_SNAPSHOTS`)."""
+        for step in steps:
+            if isinstance(step.before, torch.Tensor) and len(self.spare) < SPARE_SNAPSHOTS:
+                self.spare.append(step.before)
 
     @property
     def active(self) -> bool:
@@ -138,6 +158,7 @@ class Slot:
         first = removed[0]
         if offset == 0:
             self.rec = first.before  # type: ignore[assignment]  # private copy, moved back
+            self.release(removed[1:])
             del self.steps[i:]
         else:
             if first.inter is not None:
@@ -146,6 +167,7 @@ class Slot:
             else:  # no recurrent state existed through this step
                 self.rec = None
             first.tokens, first.conv_tokens = offset, (offset if first.conv_tokens else 0)
+            self.release(removed[1:])
             del self.steps[i + 1 :]
         # bookkeeping as it was at that boundary: a conv-opened step without a recurrent update
         # is still open (transformers' Mamba2 decode path); a point inside a step is closed
@@ -163,6 +185,7 @@ class Slot:
             self.conv, self.conv_end, self.kernel = None, 0, None  # back before the first conv input
 
     def commit(self) -> None:
+        self.release(self.steps)
         self.steps.clear()
         self.open_at_commit = self.open_tokens
         if self.conv is not None and self.conv.shape[-1] != self.kernel:
@@ -171,7 +194,7 @@ class Slot:
         self.conv_from_empty = self.conv is None
 
     def tensors(self) -> list[torch.Tensor]:
-        held = [t for t in (self.conv, self.rec) if t is not None]
+        held = [t for t in (self.conv, self.rec) if t is not None] + self.spare
         for step in self.steps:
             held += [t for t in (step.before, step.inter) if isinstance(t, torch.Tensor)]
         return held
