@@ -222,6 +222,23 @@ class Section:
         }
 
 
+def run_as_script(scenario: Callable[[str], Section], doc: str | None) -> None:
+    """`python benchmarks/<scenario>.py [--quick]`: run one scenario on one thread and print it."""
+    import argparse
+
+    import torch
+
+    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    with torch.no_grad():
+        section = scenario("quick" if args.quick else "full")
+    print(section.markdown())
+    for t in section.targets:
+        print(f"- {t.claim}: {t.target}; measured {t.measured}: {'met' if t.met else 'MISSED'} {t.note}")
+
+
 def targets_table(sections: Sequence[Section]) -> Table:
     table = Table(
         "What the tables must show, and whether this run shows it",

@@ -32,8 +32,10 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 def scenarios() -> dict[str, Callable[[str], Section]]:
     """The registry: scenario name -> function(mode) returning its `Section`, in the issue's order."""
     from benchmarks.first_step import first_step_scenario
+    from benchmarks.per_call import per_call_scenario
     from benchmarks.scenarios_io import generation_scenario, persistence_scenario
     from benchmarks.scenarios_layers import append_scenario, memory_scenario, rollback_scenario
+    from benchmarks.stateful_speculation import speculation_scenario
 
     return {
         "append": append_scenario,
@@ -42,6 +44,8 @@ def scenarios() -> dict[str, Callable[[str], Section]]:
         "persistence": persistence_scenario,
         "generation": generation_scenario,
         "first_step": first_step_scenario,
+        "speculation": speculation_scenario,
+        "per_call": per_call_scenario,
     }
 
 

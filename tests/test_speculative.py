@@ -10,6 +10,8 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvcache import Cache, DynamicLayer, GenerationError
 from kvcache.generation import (
@@ -173,7 +175,9 @@ def test_greedy_output_and_caches_equal_plain_decoding(targets, kind, agree, k):
 
     proposed, accepted = out.proposed_per_step, out.accepted_per_step
     assert out.num_new_tokens == NEW_TOKENS
-    assert out.target_forwards == len(proposed) + out.target_rollback_paths["refeed"]
+    # One target forward per step: a rejection the cache cannot crop is re-fed in front of the next
+    # step's forward, and a re-feed still pending at the end costs one last forward.
+    assert len(proposed) <= out.target_forwards <= len(proposed) + (kind == "hybrid_refeed")
     assert all(0 <= a <= p <= k for a, p in zip(accepted, proposed, strict=True))
     if agree == "always":
         assert accepted == proposed
@@ -189,6 +193,44 @@ def test_greedy_output_and_caches_equal_plain_decoding(targets, kind, agree, k):
         assert out.rollback_path == ("refeed" if partial else "none")
     elif partial:
         assert out.rollback_path == "crop" and not out.target_rollback_paths["refeed"]
+
+
+@pytest.mark.parametrize("agree", ["never", "sometimes", "always"])
+@pytest.mark.parametrize("schedule", ["adaptive", "constant"])
+def test_without_intermediate_states_target_forwards_are_those_of_the_crop_path(targets, agree, schedule):
+    """A recurrent target that hands no intermediate states (rollback by re-feeding) needs no more
+    target forwards per token than the same target cropping in place, within 10% (plus the one
+    forward a re-feed pending at the end costs)."""
+    target = targets["hybrid"]
+    prompt = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    runs = {
+        mode: speculative_generate(
+            target, ModelDrafter(SteeredDraft(target, agree)), prompt, num_draft_tokens=4,
+            max_new_tokens=40, intermediate_states=mode, draft_schedule=schedule,
+        )
+        for mode in (True, False)
+    }
+    assert runs[True].sequences.tolist() == runs[False].sequences.tolist()
+    assert runs[False].target_forwards <= 1.1 * runs[True].target_forwards + 1
+    if agree != "always":
+        assert runs[False].target_rollback_paths["refeed"] and not runs[True].target_rollback_paths["refeed"]
+
+
+def test_adaptive_schedule_shrinks_drafts_that_fail_and_keeps_those_that_pass(targets):
+    target = targets["full"]
+    prompt = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(4))
+    never = speculative_generate(target, ModelDrafter(SteeredDraft(target, "never")), prompt,
+                                 num_draft_tokens=6, max_new_tokens=20)  # fmt: skip
+    assert never.proposed_per_step[:6] == [6, 5, 4, 3, 2, 1] and set(never.proposed_per_step[6:-1]) == {1}
+    always = speculative_generate(target, ModelDrafter(SteeredDraft(target, "always")), prompt,
+                                  num_draft_tokens=6, max_new_tokens=20)  # fmt: skip
+    assert always.proposed_per_step[:2] == [6, 6] and always.accepted_per_step == always.proposed_per_step
+    constant = speculative_generate(target, ModelDrafter(SteeredDraft(target, "never")), prompt,
+                                    num_draft_tokens=6, max_new_tokens=20, draft_schedule="constant")  # fmt: skip
+    assert set(constant.proposed_per_step[:-6]) == {6}  # the last steps draft less: max_new_tokens
+    assert never.sequences.tolist() == always.sequences.tolist() == constant.sequences.tolist()
+    with pytest.raises(GenerationError, match="draft_schedule"):
+        speculative_generate(target, PromptLookupDrafter(), prompt, max_new_tokens=2, draft_schedule="fast")
 
 
 @pytest.mark.parametrize("kind", ["full", "sliding", "hybrid", "encoder_decoder"])
@@ -307,6 +349,35 @@ def test_prompt_lookup_proposals():
         PromptLookupDrafter(max_ngram_size=1, min_ngram_size=2)
     with pytest.raises(GenerationError, match="max_ngram_size"):
         PromptLookupDrafter(max_ngram_size=0)
+
+
+def _scan_continuation(text: list[int], max_n: int, min_n: int, k: int) -> list[int]:
+    """The naive reference: scan the whole text for the earliest earlier occurrence of its suffix."""
+    for n in range(min(max_n, len(text) - 1), min_n - 1, -1):
+        pattern = text[-n:]
+        for start in range(len(text) - n):  # an occurrence followed by at least one token
+            if text[start : start + n] == pattern:
+                return text[start + n : start + n + k]
+    return []
+
+
+@given(
+    tokens=st.lists(st.integers(0, 3), min_size=1, max_size=60),
+    growth=st.lists(st.integers(1, 5), min_size=1, max_size=20),
+    sizes=st.sampled_from([(3, 1), (2, 2), (4, 2)]),
+)
+def test_incremental_ngram_index_proposes_what_a_full_scan_finds(tokens, growth, sizes) -> None:
+    """The drafter's index, grown step by step (and reset when the sequence is not an extension),
+    proposes exactly what scanning the whole sequence would."""
+    drafter = PromptLookupDrafter(*sizes)
+    drafter.start(tokens[:1], device=torch.device("cpu"))
+    length = 1
+    for n in growth:
+        length = min(len(tokens), length + n)
+        seq = tokens[:length]
+        assert _propose(drafter, seq, 4) == _scan_continuation(seq, *sizes, 4)
+    other = [3, 2, 1, 0, 3, 2]  # not an extension: the index starts over
+    assert _propose(drafter, other, 4) == _scan_continuation(other, *sizes, 4)
 
 
 # ------------------------------------------------------------------------------------ errors

@@ -145,12 +145,51 @@ class ModelDrafter(Drafter):
         limit = min(len(runner.tokens), len(sequence) - 1)  # the last token is fed with the next proposal
         while keep < limit and runner.tokens[keep] == sequence[keep]:
             keep += 1
-        return runner.truncate(keep)
+        return runner.truncate(keep, defer_refeed=True)  # `propose` feeds what the cache lacks
 
     def _need_runner(self) -> ModelRunner:
         if self._runner is None:
             raise GenerationError("ModelDrafter.start() must be called before proposing")
         return self._runner
+
+
+class NgramIndex:
+    """Where each n-gram (n in `sizes`) of a growing token list first occurs, followed by a token.
+
+    `extend` indexes only the tokens added since the last call, so drafting costs the same at any
+    context length (a scan of the whole sequence per step grows with it)."""
+
+    def __init__(self, sizes: range) -> None:
+        self.sizes = sizes
+        self.tokens: list[int] = []
+        self.first: dict[tuple[int, ...], int] = {}  # n-gram -> start of its earliest occurrence
+        self._seen: Sequence[int] | None = None  # the sequence object indexed last
+
+    def extend(self, sequence: Sequence[int]) -> None:
+        """Catch up with `sequence`; one that does not extend what was indexed is indexed anew. The
+        speculative driver hands the same list each step, only ever appended to, so the check that
+        it extends the indexed tokens is free then (an O(n) comparison for any other sequence)."""
+        done = len(self.tokens)
+        extends = len(sequence) >= done and (
+            sequence is self._seen or list(sequence[:done]) == self.tokens  # type: ignore[index]
+        )
+        if not extends:
+            self.tokens, self.first, done = [], {}, 0
+        self._seen = sequence
+        self.tokens.extend(int(t) for t in sequence[done:])
+        # an n-gram ending at position `end` is followed by a token once the list reaches end + 2
+        for end in range(max(done - 1, 0), len(self.tokens) - 1):
+            for n in self.sizes:
+                if end + 1 >= n:
+                    self.first.setdefault(tuple(self.tokens[end + 1 - n : end + 1]), end + 1 - n)
+
+    def continuation(self, pattern: Sequence[int], num_tokens: int) -> list[int] | None:
+        """The up to `num_tokens` tokens after the earliest occurrence of `pattern` (followed by at
+        least one token); None when there is none."""
+        start = self.first.get(tuple(pattern))
+        if start is None:
+            return None
+        return self.tokens[start + len(pattern) : start + len(pattern) + num_tokens]
 
 
 class PromptLookupDrafter(Drafter):
@@ -161,6 +200,8 @@ class PromptLookupDrafter(Drafter):
     proposed (as in transformers' prompt lookup and vLLM's n-gram proposer). For encoder-decoder
     models the encoder input is searched too (after the sequence), which is where summaries and
     translations copy from. No match: no proposal, and the target takes a plain decoding step.
+    Lookups go through an `NgramIndex` kept up to date token by token, so a proposal costs the
+    same at 256 tokens of context as at 64k.
     """
 
     def __init__(self, max_ngram_size: int = 3, min_ngram_size: int = 1) -> None:
@@ -171,7 +212,8 @@ class PromptLookupDrafter(Drafter):
             raise GenerationError(f"min_ngram_size {min_ngram_size} > max_ngram_size {max_ngram_size}")
         self.max_ngram_size = max_ngram_size
         self.min_ngram_size = min_ngram_size
-        self._source: torch.Tensor | None = None
+        self._index = NgramIndex(range(min_ngram_size, max_ngram_size + 1))
+        self._source: NgramIndex | None = None
 
     def start(
         self,
@@ -181,36 +223,25 @@ class PromptLookupDrafter(Drafter):
         encoder_input_ids: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
     ) -> None:
+        self._index = NgramIndex(self._index.sizes)
         self._source = None
         if encoder_input_ids is not None:
             source = encoder_input_ids[0].cpu()
             if encoder_attention_mask is not None:
                 source = source[encoder_attention_mask[0].cpu().bool()]
-            self._source = source
+            self._source = NgramIndex(self._index.sizes)
+            self._source.extend(source.tolist())
 
     def propose(self, sequence: Sequence[int], num_tokens: int, pick: DraftPicker) -> Draft:
         if num_tokens <= 0:
             return Draft([])
-        text = torch.as_tensor(list(sequence), dtype=torch.long)
+        self._index.extend(sequence)
+        text = self._index.tokens
         for size in range(min(self.max_ngram_size, len(text) - 1), self.min_ngram_size - 1, -1):
             pattern = text[-size:]
-            found = _continuation(text, pattern, num_tokens)
+            found = self._index.continuation(pattern, num_tokens)
             if found is None and self._source is not None:
-                found = _continuation(self._source, pattern, num_tokens)
-            if found is not None:
+                found = self._source.continuation(pattern, num_tokens)
+            if found:
                 return Draft(found)
         return Draft([])
-
-
-def _continuation(haystack: torch.Tensor, pattern: torch.Tensor, num_tokens: int) -> list[int] | None:
-    """The up to `num_tokens` tokens after the earliest occurrence of `pattern` in `haystack` that
-    is followed by at least one token; None when there is none."""
-    size = len(pattern)
-    if len(haystack) <= size:
-        return None
-    windows = haystack[:-1].unfold(0, size, 1)  # windows followed by at least one token
-    hits = (windows == pattern).all(dim=1).nonzero()
-    if hits.numel() == 0:
-        return None
-    start = int(hits[0, 0]) + size
-    return haystack[start : start + num_tokens].tolist()

@@ -5,6 +5,8 @@ holds and how the forwards since the last commit were chunked, because a recurre
 be cropped inside a forward when the model handed the per-token intermediate states over; where
 it did not, `truncate` crops to the start of that forward and re-feeds the kept tokens instead
 (the "refeed" path), so the result is the same either way and the caller learns which path ran.
+With `defer_refeed=True` the kept tokens are not fed at once: they stay out of the cache (the
+caller feeds them in front of its next forward), so a rejection costs no forward of its own.
 """
 
 from __future__ import annotations
@@ -103,12 +105,14 @@ class ModelRunner:
         self._step_sizes.clear()
         self._committed_length = len(self.tokens)
 
-    def truncate(self, length: int) -> str:
+    def truncate(self, length: int, *, defer_refeed: bool = False) -> str:
         """Keep the first `length` tokens, exactly as if nothing after them had been fed, then commit.
 
         Tries one exact `crop`; where the cache refuses (a recurrent layer asked to stop inside a
         forward whose intermediate states it never got), crops to the start of that forward and
-        re-feeds the kept part of it. Returns the path taken: "none", "crop" or "refeed".
+        re-feeds the kept part of it, or, with `defer_refeed`, leaves it out (`tokens` then holds
+        fewer than `length`; the caller feeds the rest next). Returns the path taken: "none",
+        "crop" or "refeed".
         """
         drop = len(self.tokens) - length
         if drop < 0 or length < self._committed_length:
@@ -121,7 +125,7 @@ class ModelRunner:
             try:
                 self.cache.check_crop(-drop)
             except RollbackError:
-                self._crop_and_refeed(length)
+                self._crop_and_refeed(length, feed=not defer_refeed)
                 path = REFEED
             else:
                 self.cache.crop(-drop)
@@ -130,7 +134,7 @@ class ModelRunner:
         self._commit()
         return path
 
-    def _crop_and_refeed(self, length: int) -> None:
+    def _crop_and_refeed(self, length: int, feed: bool = True) -> None:
         """Crop to the start of the forward that holds token `length`, then feed the kept part again."""
         boundary = len(self.tokens)
         for size in reversed(self._step_sizes):
@@ -140,7 +144,7 @@ class ModelRunner:
         self.cache.crop(-(len(self.tokens) - boundary))  # RollbackError when even a step boundary is out of reach
         refeed = self.tokens[boundary:length]
         del self.tokens[boundary:]
-        if refeed:
+        if refeed and feed:
             self.feed(refeed)
             self.refeeds += 1
 
