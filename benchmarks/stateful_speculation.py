@@ -153,7 +153,8 @@ def speculation_table(mode: str) -> tuple[Table, list[Target], dict[str, Any]]:
                   f"{row['speed']:.2f}x", f"{row['forwards_per_token']:.2f}", f"{crop:.2f}" if crop else "-",
                   f"{x:.2f}", "yes" if row["same"] else "NO")  # fmt: skip
     targets.append(Target("speculation: target forwards per token without intermediate states",
-                          "<= 1.1x the crop path's", f"at most {worst_ratio:.2f}x", worst_ratio <= 1.1))  # fmt: skip
+                          "<= 1.1x the crop path's", f"at most {worst_ratio:.2f}x", worst_ratio <= 1.1,
+                          "" if worst_ratio <= 1.1 else "plain steps that feed piled-up re-fed tokens"))  # fmt: skip
     if qwen_at_23 is not None:
         targets.append(Target(
             "speculation: Qwen3-Next at 23% acceptance (adaptive)", ">= 1.0x plain decoding", f"{qwen_at_23:.2f}x",
@@ -162,7 +163,8 @@ def speculation_table(mode: str) -> tuple[Table, list[Target], dict[str, Any]]:
             "drafts that are mostly wrong costs more than it saves",
         ))  # fmt: skip
     same = all(row["same"] for row in rows.values())
-    targets.append(Target("speculation: tokens", "= plain greedy", "identical" if same else "DIFFER", same))
+    targets.append(Target("speculation: tokens", "= plain greedy", "identical" if same else "DIFFER", same,
+                          "" if same else "a bug: greedy speculation must reproduce plain decoding"))  # fmt: skip
     return table, targets, rows
 
 
@@ -179,31 +181,44 @@ def _scan(text: list[int], k: int) -> list[int]:
 
 
 def drafting_table(mode: str) -> tuple[Table, list[Target], dict[str, Any]]:
+    """Per context length: seconds per drafting step of the index (median of 5 rounds of 200 steps,
+    contexts in rotating order) and of one full scan."""
     rng = random.Random(0)
+    drafters, texts = {}, {}
+    for context in CONTEXTS[mode]:
+        texts[context] = [rng.randrange(64) for _ in range(context)]
+        drafters[context] = PromptLookupDrafter()
+        drafters[context].start(texts[context][:1], device=torch.device("cpu"))
+        drafters[context].propose(texts[context], 4, lambda logits: (0, None))  # index the context once
+
+    def rounds(context: int) -> Callable[[], float]:
+        def sample() -> float:
+            text, drafter, steps = texts[context], drafters[context], 200
+            start = time.perf_counter()
+            for i in range(steps):
+                text.append(i % 64)
+                drafter.propose(text, 4, lambda logits: (0, None))
+            return (time.perf_counter() - start) / steps
+
+        return sample
+
+    index = {c: Timing.of(v) for c, v in rotate({c: rounds(c) for c in CONTEXTS[mode]}, 5).items()}
     figures: dict[str, Any] = {}
     table = Table("Prompt-lookup drafting: time per step (one new token, then a proposal of 4)",
                   [":context tokens", ":incremental index (µs)", ":full scan (µs)", ":scan / index"])  # fmt: skip
     for context in CONTEXTS[mode]:
-        text = [rng.randrange(64) for _ in range(context)]
-        drafter = PromptLookupDrafter()
-        drafter.start(text[:1], device=torch.device("cpu"))
-        drafter.propose(text, 4, lambda logits: (0, None))  # index the context once
-        steps = 200
         start = time.perf_counter()
-        for i in range(steps):
-            text.append(i % 64)
-            drafter.propose(text, 4, lambda logits: (0, None))
-        ours = (time.perf_counter() - start) / steps
-        start = time.perf_counter()
-        for _ in range(20):
-            _scan(text, 4)
-        scan = (time.perf_counter() - start) / 20
-        figures[str(context)] = {"index": ours, "scan": scan}
-        table.add(context, f"{ours * 1e6:.0f}", f"{scan * 1e6:.0f}", f"{scan / ours:.0f}x")
-    first, last = figures[str(CONTEXTS[mode][0])]["index"], figures[str(CONTEXTS[mode][-1])]["index"]
-    flat = last / first
+        for _ in range(10):
+            _scan(texts[context], 4)
+        scan = (time.perf_counter() - start) / 10
+        ours = index[context].median
+        figures[str(context)] = {"index": index[context], "scan": scan}
+        table.add(context, index[context].cell(), f"{scan * 1e6:.0f}", f"{scan / ours:.0f}x")
+    flat = index[CONTEXTS[mode][-1]].median / index[CONTEXTS[mode][0]].median
     targets = [Target("drafting: cost per step from 256 tokens to the longest context", "flat (<= 1.5x)",
-                      f"{flat:.2f}x", flat <= 1.5)]  # fmt: skip
+                      f"{flat:.2f}x", flat <= 1.5,
+                      "" if flat <= 1.5 else "a few µs per step: the dictionary of a long context misses the CPU "
+                      "caches more often; nothing in it grows with the context")]  # fmt: skip
     return table, targets, figures
 
 
