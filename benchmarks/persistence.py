@@ -11,6 +11,12 @@ it is measured verified (the default, xxh3 over the whole file) and with `verify
 `--repeats` runs, round-robin, ratios from the same run; the files go to a
 temporary directory (`--dir`) and are deleted.
 
+Method, so that one contender's disk traffic does not land on another's clock: every save writes a
+fresh file; before each flushed save (untimed) `os.sync()` writes back what earlier samples left
+dirty; the disk's own limit is in the same table (the same bytes written raw and fsynced, what
+`dd conv=fsync` measures). Loads are reported warm (the file in the page cache) and cold (the file
+dropped from the page cache with `posix_fadvise(DONTNEED)` before each sample, where available).
+
     python benchmarks/persistence.py [--quick] [--repeats 5] [--dir /tmp]
 """
 
@@ -31,9 +37,9 @@ from kvcache import DynamicCache, load_cache, save_cache
 from kvcache.persistence.composite import describe_cache
 
 try:
-    from .common import Timing, rotate_timings, seconds
+    from .common import rotate_timings, timed_after
 except ImportError:  # run as a script: python benchmarks/persistence.py
-    from common import Timing, rotate_timings, seconds  # type: ignore[no-redef]
+    from common import rotate_timings, timed_after  # type: ignore[no-redef]
 
 LAYERS, HEADS, HEAD_DIM = 24, 8, 128
 
@@ -66,33 +72,75 @@ def measure(size_mib: int, repeats: int, directory: str | None = None) -> dict[s
 
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         ours, theirs, torch_path = Path(tmp) / "cache.safetensors", Path(tmp) / "plain.safetensors", Path(tmp) / "t.pt"
+        raw = bytes(sum(t.nbytes for t in plain.values()))
 
-        def save_file_fsync() -> None:
-            save_file(plain, theirs)
-            fd = os.open(theirs, os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
+        def fresh(path: Path, sync: bool) -> Callable[[], Path]:
+            """Untimed: remove `path` (every save makes a new file) and, before a flushed save,
+            write back whatever earlier samples left dirty."""
 
-        def timings(fns: dict[str, Callable[[], Any]]) -> dict[str, Timing]:
-            return rotate_timings({name: lambda fn=fn: seconds(fn) for name, fn in fns.items()}, repeats)
+            def setup() -> Path:
+                path.unlink(missing_ok=True)
+                if sync:
+                    os.sync()
+                return path
 
-        save = timings(
+            return setup
+
+        def fsynced(write: Callable[[Path], Any]) -> Callable[[Path], None]:
+            def run(path: Path) -> None:
+                write(path)
+                fd = os.open(path, os.O_RDONLY)
+                os.fsync(fd)
+                os.close(fd)
+
+            return run
+
+        def write_raw(path: Path) -> None:
+            with open(path, "wb") as f:
+                f.write(raw)
+
+        save = rotate_timings(
             {
-                "ours": lambda: save_cache(cache, ours),
-                "theirs": save_file_fsync,
-                "ours_nosync": lambda: save_cache(cache, ours, fsync=False),
-                "theirs_nosync": lambda: save_file(plain, theirs),
-                "torch": lambda: torch.save(plain, torch_path),
-            }
+                "ours": timed_after(fresh(ours, True), lambda p: save_cache(cache, p)),
+                "theirs": timed_after(fresh(theirs, True), fsynced(lambda p: save_file(plain, p))),
+                "raw": timed_after(fresh(Path(tmp) / "raw.bin", True), fsynced(write_raw)),
+                "ours_nosync": timed_after(fresh(ours, False), lambda p: save_cache(cache, p, fsync=False)),
+                "theirs_nosync": timed_after(fresh(theirs, False), lambda p: save_file(plain, p)),
+                "torch": timed_after(fresh(torch_path, False), lambda p: torch.save(plain, p)),
+            },
+            repeats,
+            warmup=1,
         )
-        full = timings(
-            {
-                "ours": lambda: read_all(cache_tensors(load_cache(ours))),
-                "ours_unverified": lambda: read_all(cache_tensors(load_cache(ours, verify=False))),
-                "theirs": lambda: read_all(load_file(theirs).values()),
-                "torch": lambda: read_all(torch.load(torch_path, weights_only=True).values()),
-            }
-        )
+        save_cache(cache, ours)
+        save_file(plain, theirs)
+        torch.save(plain, torch_path)
+        os.sync()
+
+        def warm(path: Path) -> Callable[[], Path]:
+            return lambda: path
+
+        def cold(path: Path) -> Callable[[], Path]:
+            def setup() -> Path:
+                if hasattr(os, "posix_fadvise"):
+                    fd = os.open(path, os.O_RDONLY)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    os.close(fd)
+                return path
+
+            return setup
+
+        loads: dict[str, Callable[[Path], Any]] = {
+            "ours": lambda p: read_all(cache_tensors(load_cache(p))),
+            "ours_unverified": lambda p: read_all(cache_tensors(load_cache(p, verify=False))),
+            "theirs": lambda p: read_all(load_file(p).values()),
+            "torch": lambda p: read_all(torch.load(p, weights_only=True).values()),
+        }
+        paths = {"ours": ours, "ours_unverified": ours, "theirs": theirs, "torch": torch_path}
+        samplers = {}
+        for how, prepare in (("warm", warm), ("cold", cold)):
+            for name, load in loads.items():
+                samplers[f"{name}_{how}"] = timed_after(prepare(paths[name]), load)
+        loaded_t = rotate_timings(samplers, repeats, warmup=1)
         loaded = load_cache(ours)
         assert all(torch.equal(a, b) for a, b in zip(cache_tensors(loaded), plain.values(), strict=True))
         file_sizes = (ours.stat().st_size, theirs.stat().st_size)
@@ -100,14 +148,21 @@ def measure(size_mib: int, repeats: int, directory: str | None = None) -> dict[s
     rows = [
         ("save, flushed to disk (fsync)", save["ours"], save["theirs"], None),
         ("save, no fsync", save["ours_nosync"], save["theirs_nosync"], save["torch"]),
-        ("load, verified (default) + read every byte", full["ours"], full["theirs"], full["torch"]),
-        ("load, verify=False + read every byte", full["ours_unverified"], full["theirs"], full["torch"]),
     ]
+    for how in ("warm", "cold"):
+        rows += [
+            (f"load {how}, verified (default) + read every byte", loaded_t[f"ours_{how}"], loaded_t[f"theirs_{how}"],
+             loaded_t[f"torch_{how}"]),
+            (f"load {how}, verify=False + read every byte", loaded_t[f"ours_unverified_{how}"],
+             loaded_t[f"theirs_{how}"], loaded_t[f"torch_{how}"]),
+        ]  # fmt: skip
     return {
         "tokens": tokens,
         "bytes": sum(t.nbytes for t in plain.values()),
         "file_sizes": file_sizes,
         "rows": rows,
+        "disk_limit": save["raw"],
+        "cold_reads": hasattr(os, "posix_fadvise"),
     }
 
 
@@ -126,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"(medians of {args.repeats}; files {ours_size:,d} B (kvcache) vs {theirs_size:,d} B (safetensors); "
           f"torch {torch.__version__}, {os.cpu_count()} CPU(s), page cache warm)\n")
+    print(f"The disk's limit: the same bytes written raw and fsynced in {result['disk_limit'].median:.4f} s.\n")
     print("| operation | kvcache s | safetensors s | kvcache / safetensors | torch s | kvcache GiB/s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for name, ours_t, theirs_t, torch_t in result["rows"]:
