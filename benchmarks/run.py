@@ -33,6 +33,7 @@ def scenarios() -> dict[str, Callable[[str], Section]]:
     """The registry: scenario name -> function(mode) returning its `Section`, in the issue's order."""
     from benchmarks.first_step import first_step_scenario
     from benchmarks.per_call import per_call_scenario
+    from benchmarks.prefix_store import prefix_store_scenario
     from benchmarks.scenarios_io import generation_scenario, persistence_scenario
     from benchmarks.scenarios_layers import append_scenario, memory_scenario, rollback_scenario
     from benchmarks.stateful_speculation import speculation_scenario
@@ -46,6 +47,7 @@ def scenarios() -> dict[str, Callable[[str], Section]]:
         "first_step": first_step_scenario,
         "speculation": speculation_scenario,
         "per_call": per_call_scenario,
+        "prefix_store": prefix_store_scenario,
     }
 
 

@@ -18,7 +18,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCENARIOS = ["append", "rollback", "memory", "persistence", "generation", "first_step", "speculation", "per_call"]
+SCENARIOS = [
+    "append", "rollback", "memory", "persistence", "generation", "first_step", "speculation", "per_call",
+    "prefix_store",
+]  # fmt: skip
 
 sys.path.insert(0, str(ROOT))
 from benchmarks.common import Section, Table, Target, Timing, jsonable, rotate, write_json  # noqa: E402

@@ -190,3 +190,21 @@ def test_small_things_a_user_hits(stand_in_model, capsys, tmp_path: Path, monkey
     with pytest.raises(SystemExit) as info:
         main(["--version"])
     assert info.value.code == 0 and capsys.readouterr().out.strip() == f"kvcache {__version__}"
+
+
+def test_prefix_store_reuses_the_prompt_and_prints_the_same_text(stand_in_model, capsys, tmp_path: Path) -> None:
+    """--prefix-store DIR: the second run reuses the prompt's whole blocks from the directory and
+    prints exactly the text of a run without a store; `kvcache store DIR` reports it."""
+    store = tmp_path / "store"
+    args = ("--max-new-tokens", "20", "--seed", "2")
+    code, plain, _ = _cli(capsys, LONGER, *args)
+    runs = [_cli(capsys, LONGER, *args, "--prefix-store", str(store)) for _ in range(2)]
+    assert [r[0] for r in runs] == [0, 0] and runs[0][1] == runs[1][1] == plain
+    assert "miss, 0 token(s) reused" in runs[0][2] and "hit, 80 token(s) reused" in runs[1][2]
+    code, _, err = _cli(capsys, PROMPT, *args, "--prefix-store", str(store))  # 48 tokens: 2 whole blocks
+    assert code == 0 and "hit, 32 token(s) reused" in err
+    assert main(["store", str(store)]) == 0
+    report = capsys.readouterr().out
+    assert "chunks:        5" in report and "hits:          2 (hit rate 67%)" in report
+    code, out, err = _cli(capsys, PROMPT, "--prefix-store", str(store), "--cache", str(tmp_path / "x"))
+    assert (code, out) == (2, "") and "alternatives" in err

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from ..errors import KVCacheError
 
 #: Modules that define `add_parser(subparsers)`; each sets `func(args) -> int` on its parser.
-SUBCOMMAND_MODULES = ("inspect", "generate")
+SUBCOMMAND_MODULES = ("inspect", "generate", "store")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -51,6 +51,11 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--save-cache", metavar="FILE", help="save the prompt's cache (and its tokens) to FILE")
     parser.add_argument("--cache", metavar="FILE",
                         help="resume from a cache saved with --save-cache (the prompt must start with its prompt)")
+    parser.add_argument("--prefix-store", metavar="DIR_OR_URL",
+                        help="reuse prompt prefixes stored in this directory or Redis server (redis://host:port/db), "
+                        "and store this prompt's")
+    parser.add_argument("--prefix-store-bytes", type=int, default=1 << 30, metavar="N",
+                        help="the store's byte budget (default 1 GiB); least recently used prefixes go first")
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads for torch (default 1: the bundled model is too small to gain from more)")
     parser.set_defaults(func=run)  # fmt: skip
@@ -82,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
         raise GenerationError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     if args.threads < 1:
         raise GenerationError(f"--threads must be >= 1, got {args.threads}")
+    if args.prefix_store and args.cache:
+        raise GenerationError("--prefix-store and --cache are alternatives: give one")
     sampling = args.temperature > 0
     Sampling(sampling, args.temperature, args.top_k, args.top_p)  # checked before any work
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
@@ -114,8 +121,16 @@ def run(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     whole_blocks = (len(ids) - 1) // PREFILL_BLOCK * PREFILL_BLOCK
+    if args.prefix_store:  # the store prefills in the same blocks, so the text is the same with or without it
+        from ..store import open_store
+
+        store = open_store(args.prefix_store, chunk_size=PREFILL_BLOCK, max_bytes=args.prefix_store_bytes,
+                           namespace=this_model)  # fmt: skip
+        reused, cache = store.prefill(model, ids)  # the cache holds every whole block; `reused` came from the store
+        print(f"prefix store {args.prefix_store}: {'hit' if reused else 'miss'}, {reused} token(s) reused; it holds "
+              f"{len(store)} chunk(s), {store.nbytes:,} bytes", file=sys.stderr)  # fmt: skip
     with torch.no_grad():
-        for start in range(reused, whole_blocks, PREFILL_BLOCK):
+        for start in range(cache.get_seq_length(), whole_blocks, PREFILL_BLOCK):
             model(prompt[:, start : start + PREFILL_BLOCK], cache=cache)
     if args.save_cache:
         metadata = {"model": this_model, "prompt_ids": ids, "cached_tokens": whole_blocks}

@@ -56,6 +56,7 @@ def generate(
     output_scores: bool = False,
     defer_stop: bool | None = None,
     decoder_input_ids: torch.Tensor | None = None,
+    prefix_store: Any = None,
 ) -> GenerationOutput:
     """Generate up to `max_new_tokens` tokens per row (see the README's Generation section).
 
@@ -71,6 +72,9 @@ def generate(
       (`DeferredStopCheck`); None defers on asynchronous devices (CUDA, MPS, XPU) where the cache
       can roll the extra step back exactly, True always (error when rollback cannot be exact),
       False never. The results are identical either way.
+    - `prefix_store` (a `kvcache.store.PrefixStore`): start from the prompt's longest stored prefix,
+      prefill the rest of its whole chunks into the store, then go on as usual (batch size 1, no
+      `cache`). The output equals a run without the store that prefilled the same chunks.
     """
     # ------------------------------------------------------------------ checks, before any work
     sampling = Sampling(do_sample, temperature, top_k, top_p)
@@ -108,7 +112,11 @@ def generate(
         tokens, token_mask = input_ids, attention_mask
 
     given_cache = cache is not None
-    if cache is None:
+    if prefix_store is not None:
+        from ..store import prefill_for_generation
+
+        cache = prefill_for_generation(prefix_store, model, input_ids, attention_mask, cache, encoder_decoder)
+    elif cache is None:
         cache = model.new_cache()
     else:
         inputs.check_cache(cache, batch_size=batch, encoder_decoder=encoder_decoder, source_length=input_ids.shape[1])

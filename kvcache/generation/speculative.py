@@ -157,6 +157,7 @@ def speculative_generate(
     cache: Cache | None = None,
     draft_cache: Cache | None = None,
     draft_schedule: str = "adaptive",
+    prefix_store: Any = None,
 ) -> SpeculativeOutput:
     """Decode `max_new_tokens` tokens (fewer at eos) from `target`, drafting with `draft`.
 
@@ -178,6 +179,7 @@ def speculative_generate(
     `draft_schedule`: "adaptive" (the default: start at `num_draft_tokens`, at most that many; down
     by one after a rejection, never below 1, up by two after a fully accepted draft) or
     "constant" (always `num_draft_tokens`). Greedy output does not depend on it.
+    `prefix_store`: the target starts from the prompt's longest stored prefix, as in `generate`.
     """
     encoder_decoder = check_model(target)
     drafter = _as_drafter(target, draft, encoder_decoder)
@@ -193,6 +195,10 @@ def speculative_generate(
     verifier = _Verifier(Sampling(do_sample, temperature, top_k, top_p), generator)
     use_intermediate = _intermediate_states_switch(target, intermediate_states)
     _check_given_caches(target, drafter, input_ids, cache, draft_cache, encoder_decoder)
+    if prefix_store is not None:
+        from ..store import prefill_for_generation
+
+        cache = prefill_for_generation(prefix_store, target, input_ids, attention_mask, cache, encoder_decoder)
 
     runner = ModelRunner(
         target,
