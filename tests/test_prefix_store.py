@@ -186,9 +186,20 @@ def test_bad_arguments_are_clear_errors_and_change_nothing() -> None:
     for kwargs in ({"chunk_size": 0}, {"max_bytes": -1}, {"chunk_size": True}, {"namespace": 3}):
         with pytest.raises(CacheInputError):
             PrefixStore(**kwargs)
-    for tokens in ([1.5, 2], "abc", torch.ones(2, 3, dtype=torch.long), [True, 1]):
+    for tokens in ([1.5, 2], "abc", torch.ones(2, 3, dtype=torch.long), [True, 1], [1, 256], [-1]):
         with pytest.raises(CacheInputError):
             store.lookup(tokens, model)
+        with pytest.raises(CacheInputError):
+            store.prefill(model, tokens)
+    for kwargs in ({"keep_last": 0}, {"keep_last": 1.0}):
+        with pytest.raises(CacheInputError, match="keep_last"):
+            store.prefill(model, list(range(1, 20)), **kwargs)
+    with pytest.raises(CacheInputError, match="max_tokens"):
+        store.lookup(list(range(1, 20)), model, max_tokens=-1)
+    static = DecoderLM(DecoderConfig(layer_types=["full_attention"]))
+    static.new_cache = lambda: static.new_static_cache(64)  # a model whose cache is fixed-size
+    with pytest.raises(CacheInputError, match="static"):
+        store.prefill(static, list(range(1, 20)))
     with pytest.raises(GenerationError, match="batch size 1"):
         generate(model, torch.ones(2, 9, dtype=torch.long), max_new_tokens=2, prefix_store=store)
     with pytest.raises(GenerationError, match="without cache"):

@@ -114,6 +114,22 @@ class KVBuffer:
         buf._adopt(_seq_major(keys), _seq_major(values))
         return buf
 
+    @classmethod
+    def from_chunks(cls, chunks: list[tuple[torch.Tensor, torch.Tensor]], growth: float = GROWTH) -> KVBuffer:
+        """A buffer holding copies of `[batch, heads, n_i, dim]` key/value chunks, in order, with
+        headroom: one copy of each chunk, straight into the storage (no concatenated temporary)."""
+        buf = cls(growth)
+        total = sum(k.shape[2] for k, _ in chunks)
+        first_k, first_v = chunks[0]
+        cap = capacity_for(total, growth)
+        buf._set_storage(
+            first_k.new_empty(cap, *first_k.shape[:2], first_k.shape[3]),
+            first_v.new_empty(cap, *first_v.shape[:2], first_v.shape[3]),
+        )
+        for keys, values in chunks:
+            buf.append(keys, values)
+        return buf
+
     def __len__(self) -> int:
         return self.end - self.start
 

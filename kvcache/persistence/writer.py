@@ -56,8 +56,10 @@ for _attr, _name in (
 
 #: A tensor is written row by row when that takes at most this many rows ...
 MAX_ROWS_PER_TENSOR = 4096
-#: ... and each row holds at least this many bytes.
+#: ... and each row holds at least this many bytes; smaller rows are gathered into slices of
+#: at most this many bytes (or one leading index's worth, if larger) and written from one buffer.
 MIN_ROW_BYTES = 64 * 1024
+PACK_BYTES = 4 * 1024 * 1024
 
 
 def dtype_name(dtype: torch.dtype, what: str) -> str:
@@ -79,10 +81,24 @@ def _rows(tensor: torch.Tensor) -> Iterator[memoryview]:
     while not tensor[(0,) * lead].is_contiguous():
         lead += 1
     row_bytes = math.prod(tensor.shape[lead:]) * tensor.element_size()
-    if lead and (math.prod(tensor.shape[:lead]) > MAX_ROWS_PER_TENSOR or row_bytes < MIN_ROW_BYTES):
-        tensor, lead = tensor.contiguous(), 0  # one packed copy of this tensor beats many tiny writes
-    for index in itertools.product(*(range(n) for n in tensor.shape[:lead])):
-        yield memoryview(tensor[index].reshape(-1).view(torch.uint8).numpy())
+    if not lead or (math.prod(tensor.shape[:lead]) <= MAX_ROWS_PER_TENSOR and row_bytes >= MIN_ROW_BYTES):
+        for index in itertools.product(*(range(n) for n in tensor.shape[:lead])):
+            yield memoryview(tensor[index].reshape(-1).view(torch.uint8).numpy())
+        return
+    # Rows too small to write one by one (a sequence-major cache's [batch, heads, seq, dim] view):
+    # gather slices of about PACK_BYTES into one reused buffer (no whole-tensor copy, no fresh
+    # pages per tensor), each written before the next overwrites it.
+    def slice_bytes(dims: int) -> int:
+        return math.prod(tensor.shape[dims:]) * tensor.element_size()
+
+    k = 0
+    while k < lead and slice_bytes(k) > PACK_BYTES and slice_bytes(k + 1) >= MIN_ROW_BYTES:
+        k += 1
+    buffer = torch.empty(tensor.shape[k:], dtype=tensor.dtype)
+    flat = buffer.view(-1).view(torch.uint8).numpy()
+    for index in itertools.product(*(range(n) for n in tensor.shape[:k])):
+        buffer.copy_(tensor[index])
+        yield memoryview(flat)
 
 
 def write_safetensors(

@@ -21,6 +21,7 @@ from ..errors import CacheInputError
 from ..layers.base import LAYER_REGISTRY, CacheLayer
 from ..layers.dynamic import DynamicLayer
 from ..layers.hybrid import HybridLayer
+from ..layers.kv_buffer import KVBuffer
 from ..layers.sliding import SlidingWindowLayer
 
 
@@ -109,10 +110,9 @@ def rebuild(path: list[Payload]) -> CacheLayer:
                 "seq_length_at_commit": 0, "record_past": False}  # fmt: skip
         return SlidingWindowLayer.from_state(meta, {"keys": keys, "values": values})
     if isinstance(last, Delta):
-        keys = torch.cat([p.keys for p in path], dim=2)  # type: ignore[union-attr]
-        values = torch.cat([p.values for p in path], dim=2)  # type: ignore[union-attr]
-        return DynamicLayer.from_state({"seq_length": keys.shape[2], "record_past": False},
-                                       {"keys": keys, "values": values})  # fmt: skip
+        layer = DynamicLayer()  # one copy of each chunk, straight into the layer's storage
+        layer._kv = KVBuffer.from_chunks([(p.keys, p.values) for p in path], layer.growth)  # type: ignore[union-attr]
+        return layer
     if isinstance(last, HybridPayload):
         attention = rebuild([p.attention for p in path])  # type: ignore[union-attr]
         return HybridLayer(attention, rebuild([last.recurrent]))

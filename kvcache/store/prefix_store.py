@@ -103,7 +103,10 @@ class PrefixStore:
         """`(matched, cache)`: the longest stored prefix of `tokens` (at most `max_tokens` tokens) and a
         fresh cache holding it, as one that had prefilled `tokens[:matched]` chunk by chunk holds it
         (`matched` is 0 and the cache empty on a miss). The cache shares nothing with the store."""
-        tokens = _check_tokens(tokens)
+        tokens = _check_tokens(tokens, model)
+        bad_max = isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0
+        if max_tokens is not None and bad_max:
+            raise CacheInputError(f"prefix store: max_tokens must be a non-negative int, got {max_tokens!r}")
         cache = _new_cache(model)
         keys = self._keys(tokens[: len(tokens) if max_tokens is None else max_tokens], self.fingerprint(model, cache))
         path = []
@@ -128,11 +131,13 @@ class PrefixStore:
         least `keep_last` tokens unfed (a generation driver feeds those itself, to get their
         logits), inserting each chunk's boundary. Returns `(reused, cache)`: tokens taken from the
         store, and a cache holding the first `len(cache tokens)` tokens (a multiple of the chunk)."""
-        tokens = _check_tokens(tokens)
-        limit = (len(tokens) - keep_last) // self.chunk_size * self.chunk_size
-        reused, cache = self.lookup(tokens, model, max_tokens=max(limit, 0))
-        if any(not storable(layer) for layer in cache):
+        tokens = _check_tokens(tokens, model)
+        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+            raise CacheInputError(f"prefix store: keep_last must be a positive int, got {keep_last!r}")
+        if any(not storable(layer) for layer in _new_cache(model)):
             raise CacheInputError("prefix store: the model's cache has static layers, which a store cannot keep")
+        limit = max((len(tokens) - keep_last) // self.chunk_size * self.chunk_size, 0)
+        reused, cache = self.lookup(tokens, model, max_tokens=limit)
         fingerprint = self.fingerprint(model, cache)
         keys = self._keys(tokens[:limit], fingerprint)
         device = _device(model)
@@ -216,13 +221,16 @@ def prefill_for_generation(store: Any, model: Any, input_ids: torch.Tensor, atte
     return store.prefill(model, input_ids[0].tolist())[1]
 
 
-def _check_tokens(tokens: Any) -> list[int]:
+def _check_tokens(tokens: Any, model: Any) -> list[int]:
     if isinstance(tokens, torch.Tensor):
         if tokens.dim() != 1 or tokens.is_floating_point():
             raise CacheInputError(f"prefix store: tokens must be a 1-D integer sequence, got {tuple(tokens.shape)}")
         tokens = tokens.tolist()
     if not isinstance(tokens, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, int) for t in tokens):
         raise CacheInputError("prefix store: tokens must be a sequence of ints")
+    vocab = getattr(model, "vocab_size", None)
+    if isinstance(vocab, int) and any(not 0 <= t < vocab for t in tokens):
+        raise CacheInputError(f"prefix store: token ids must be in [0, {vocab}) for this model")
     return list(tokens)
 
 
