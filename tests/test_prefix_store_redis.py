@@ -138,6 +138,9 @@ def test_a_server_stopped_mid_run_is_a_miss_not_a_hang(server: Server) -> None:
     assert time.monotonic() - start < 30
     with pytest.raises(KVCacheError, match="unavailable"):
         store(server.url, timeout=0.5, strict=True).lookup(ids[0].tolist(), m)
+    from kvcache.cli import main
+
+    assert main(["store", server.url]) == 2  # the report says the server is down, not "0 chunks"
 
 
 def test_a_damaged_entry_is_dropped(server: Server) -> None:

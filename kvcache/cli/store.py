@@ -20,7 +20,7 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..store import open_store
 
-    store = open_store(args.where)
+    store = open_store(args.where, strict=True)  # a report from a server that is down would be all zeros
     if args.clear:
         store.clear()
     infos = list(store.backend.infos())

@@ -195,15 +195,17 @@ class PrefixStore:
         self.stats.bytes_held = 0
 
 
-def open_store(where: str, *, chunk_size: int = 64, max_bytes: int = 1 << 30, namespace: str = "") -> PrefixStore:
+def open_store(
+    where: str, *, chunk_size: int = 64, max_bytes: int = 1 << 30, namespace: str = "", strict: bool = False
+) -> PrefixStore:
     """A store at `where`: a Redis URL ("redis://host:port/db") or a directory path."""
     from .backends import DirectoryBackend
     from .redis_backend import RedisBackend
 
     if where.startswith(("redis://", "rediss://", "unix://")):
-        backend: Backend = RedisBackend(where)
+        backend: Backend = RedisBackend(where, strict=strict)
     else:
-        backend = DirectoryBackend(where)
+        backend = DirectoryBackend(where, strict=strict)
     return PrefixStore(chunk_size=chunk_size, max_bytes=max_bytes, namespace=namespace, backend=backend)
 
 
