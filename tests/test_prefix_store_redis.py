@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_prefix_store_directory import model, prompt  # the same model and prompts as the directory tests
 
 from kvcache import CacheFormatError, KVCacheError
 from kvcache.generation import generate
-from kvcache.models import HybridConfig, HybridLM
 from kvcache.store import PrefixStore
 from kvcache.store.redis_backend import RedisBackend
 
@@ -77,15 +77,6 @@ def server(tmp_path: Path) -> Iterator[Server]:
         yield srv
     finally:
         srv.stop()
-
-
-def model() -> HybridLM:
-    torch.manual_seed(0)
-    return HybridLM(HybridConfig()).eval()
-
-
-def prompt(seed: int = 1, length: int = 37) -> torch.Tensor:
-    return torch.randint(1, 256, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
 def store(url: str, **kwargs) -> PrefixStore:
