@@ -163,13 +163,29 @@ class Table:
 
 @dataclass
 class Target:
-    """A claim the tables must show, the figure that decides it, and whether it held."""
+    """A claim the tables must show, the figure that decides it, and whether it held.
+
+    `if_missed` is written with the claim, before any figure exists: a timing target can miss on a
+    noisy run (a smoke run's few repetitions, a busy machine), and a miss must always say why it
+    may have happened rather than leave an empty note."""
 
     claim: str
     target: str
     measured: str
     met: bool
-    note: str = ""
+    if_missed: str
+
+    def __post_init__(self) -> None:
+        if not self.if_missed.strip():
+            raise ValueError(f"target {self.claim!r}: if_missed must say what a miss means")
+
+    @property
+    def note(self) -> str:
+        return "" if self.met else self.if_missed
+
+    def to_json(self) -> dict[str, Any]:
+        return {"claim": self.claim, "target": self.target, "measured": self.measured, "met": self.met,
+                "note": self.note}  # fmt: skip
 
 
 @dataclass
@@ -217,7 +233,7 @@ class Section:
             "setup": self.setup,
             "tables": [asdict(t) for t in self.tables],
             "notes": self.notes,
-            "targets": [asdict(t) for t in self.targets],
+            "targets": [t.to_json() for t in self.targets],
             "figures": jsonable(self.figures),
         }
 
