@@ -238,6 +238,24 @@ class Section:
         }
 
 
+def section_of(
+    name: str, title: str, doc: str | None, builders: Sequence[Callable[[str], tuple]], mode: str
+) -> Section:
+    """A scenario made of table builders, each `build(mode) -> (table, targets, figures)`, run on one
+    thread without autograd; the setup text is the module docstring's second paragraph."""
+    import torch
+
+    torch.set_num_threads(1)
+    section = Section(name, title, (doc or "").split("\n\n")[1])
+    with torch.no_grad():
+        for build in builders:
+            table, targets, figures = build(mode)
+            section.tables.append(table)
+            section.targets += targets
+            section.figures[build.__name__] = figures
+    return section
+
+
 def run_as_script(scenario: Callable[[str], Section], doc: str | None) -> None:
     """`python benchmarks/<scenario>.py [--quick]`: run one scenario on one thread and print it."""
     import argparse

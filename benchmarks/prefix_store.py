@@ -31,9 +31,9 @@ from kvcache.models import HybridConfig, HybridLM
 from kvcache.store import PrefixStore
 
 try:
-    from .common import Section, Table, Target, Timing, rotate, run_as_script
+    from .common import Section, Table, Target, Timing, rotate, run_as_script, section_of
 except ImportError:  # run as a script
-    from common import Section, Table, Target, Timing, rotate, run_as_script  # type: ignore[no-redef]
+    from common import Section, Table, Target, Timing, rotate, run_as_script, section_of  # type: ignore[no-redef]
 
 CHUNK = 64
 REST = 64
@@ -158,16 +158,8 @@ def _cache_bytes(cache: Any) -> int:
 
 
 def prefix_store_scenario(mode: str) -> Section:
-    torch.set_num_threads(1)
-    section = Section("prefix_store", "9. The prefix store: time to first token on a hit, and bytes per prefix",
-                      (__doc__ or "").split("\n\n")[1])  # fmt: skip
-    with torch.no_grad():
-        for build in (ttft_table, memory_table):
-            table, targets, figures = build(mode)
-            section.tables.append(table)
-            section.targets += targets
-            section.figures[build.__name__] = figures
-    return section
+    title = "9. The prefix store: time to first token on a hit, and bytes per prefix"
+    return section_of("prefix_store", title, __doc__, (ttft_table, memory_table), mode)
 
 
 if __name__ == "__main__":

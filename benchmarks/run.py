@@ -31,6 +31,7 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 def scenarios() -> dict[str, Callable[[str], Section]]:
     """The registry: scenario name -> function(mode) returning its `Section`, in the issue's order."""
+    from benchmarks.batch_speculation import batch_speculation_scenario
     from benchmarks.first_step import first_step_scenario
     from benchmarks.per_call import per_call_scenario
     from benchmarks.prefix_store import prefix_store_scenario
@@ -48,6 +49,7 @@ def scenarios() -> dict[str, Callable[[str], Section]]:
         "speculation": speculation_scenario,
         "per_call": per_call_scenario,
         "prefix_store": prefix_store_scenario,
+        "batch_speculation": batch_speculation_scenario,
     }
 
 

@@ -14,7 +14,15 @@ from .layers.base import CacheLayer, index_layers_batch
 from .layers.kv_buffer import check_kv_pair
 from .layers.static import StaticLayer
 from .layers.static_sliding import DEFAULT_ROLLBACK_TOKENS
-from .validation import MAX_NEW_LAYERS, check_layer_idx, check_move, check_query_length, check_repeats, crop_amount
+from .validation import (
+    MAX_NEW_LAYERS,
+    check_layer_idx,
+    check_move,
+    check_query_length,
+    check_repeats,
+    crop_amount,
+    row_crop_amounts,
+)
 
 
 class Cache:
@@ -120,6 +128,19 @@ class Cache:
             return 0
         return self._layer(self._first_attention_idx(layer_idx)).get_seq_length()
 
+    def get_seq_lengths(self, layer_idx: int = 0) -> torch.Tensor:
+        """Tokens each batch row holds in layer `layer_idx` (int64 `[batch]`, on the host; pads
+        counted, as `get_seq_length` counts them). Rows differ after a per-row crop; the longest
+        is `get_seq_length()`. Empty before the first update."""
+        if check_layer_idx(layer_idx) >= len(self.layers):
+            return torch.zeros(0, dtype=torch.long)
+        return torch.tensor(self._layer(self._first_attention_idx(layer_idx)).row_lengths(), dtype=torch.long)
+
+    @property
+    def is_ragged(self) -> bool:
+        """Whether batch rows hold different numbers of tokens (after a per-row crop)."""
+        return any(layer.is_ragged for layer in self.layers)
+
     def get_query_offset(self, layer_idx: int = 0) -> int:
         """Position of the next query token: the number of tokens seen."""
         return self.get_seq_length(layer_idx)
@@ -195,14 +216,21 @@ class Cache:
         """How many of the most recent tokens every layer can remove exactly now."""
         return min((layer.max_rollback for layer in self.layers if layer.holds_tokens), default=0)
 
-    def check_crop(self, tokens_to_remove: int) -> None:
+    def check_crop(self, tokens_to_remove: int | torch.Tensor | list[int]) -> None:
         """Raise `RollbackError` unless every layer can `crop(tokens_to_remove)` exactly."""
-        crop_amount(tokens_to_remove)  # also on a cache with no layers yet
+        if row_crop_amounts(tokens_to_remove, self.batch_size) is None:  # also on a cache with no layers yet
+            crop_amount(tokens_to_remove)
         for layer in self.layers:
             layer.check_crop(tokens_to_remove)
 
-    def crop(self, tokens_to_remove: int) -> None:
-        """`crop(-n)`: remove the last n tokens from every layer exactly; `crop(0)`: commit."""
+    def crop(self, tokens_to_remove: int | torch.Tensor | list[int]) -> None:
+        """`crop(-n)`: remove the last n tokens from every layer exactly; `crop(0)`: commit. With one
+        `-n_b` per batch row (a 1-D integer tensor or list), row b loses its last `n_b` tokens
+        (docs/contract.md, "Per-row rollback"); rows then hold different numbers of tokens
+        (`get_seq_lengths`)."""
+        counts = row_crop_amounts(tokens_to_remove, self.batch_size)
+        if counts is not None:  # read once (a tensor on an accelerator syncs once), then host ints
+            tokens_to_remove = [-n for n in counts]
         self.check_crop(tokens_to_remove)
         for layer in self.layers:
             layer.crop(tokens_to_remove)

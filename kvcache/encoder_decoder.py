@@ -73,6 +73,14 @@ class EncoderDecoderCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.self_attention_cache.get_seq_length(layer_idx)
 
+    def get_seq_lengths(self, layer_idx: int = 0) -> torch.Tensor:
+        """Decoder tokens each batch row holds (see `Cache.get_seq_lengths`)."""
+        return self.self_attention_cache.get_seq_lengths(layer_idx)
+
+    @property
+    def is_ragged(self) -> bool:
+        return self.self_attention_cache.is_ragged
+
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return self.self_attention_cache.get_query_offset(layer_idx)
 
@@ -103,11 +111,12 @@ class EncoderDecoderCache:
     def max_rollback(self) -> int:
         return self.self_attention_cache.max_rollback
 
-    def check_crop(self, tokens_to_remove: int) -> None:
+    def check_crop(self, tokens_to_remove: Any) -> None:
         self.self_attention_cache.check_crop(tokens_to_remove)
 
-    def crop(self, tokens_to_remove: int) -> None:
-        """Crop (or commit, with 0) the decoder's self-attention part; the encoder's part stays."""
+    def crop(self, tokens_to_remove: Any) -> None:
+        """Crop (or commit, with 0) the decoder's self-attention part, per row too; the encoder's
+        part stays."""
         self.self_attention_cache.crop(tokens_to_remove)
 
     def activate_past_recording(self) -> None:

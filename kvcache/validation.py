@@ -55,6 +55,52 @@ def crop_amount(tokens_to_remove: Any) -> int:
     return -tokens_to_remove
 
 
+def row_crop_amounts(tokens_to_remove: Any, batch_size: int | None) -> list[int] | None:
+    """A per-row `crop` argument: a 1-D integer tensor (or list) of one non-positive count per batch
+    row, `-n_b` removing the last `n_b` tokens of row b. Returns the `n_b` (host ints), or None when
+    `tokens_to_remove` is a plain int (see `crop_amount`). A layer that holds nothing has no rows:
+    there the counts must all be 0 (a commit)."""
+    if _is_int(tokens_to_remove):
+        return None
+    if isinstance(tokens_to_remove, torch.Tensor):
+        tensor = tokens_to_remove
+        if tensor.dtype not in INDEX_DTYPES or tensor.dim() != 1 or tensor.device.type == "meta":
+            raise RollbackError(
+                f"a per-row crop takes a 1-D integer tensor, got {tensor.dtype} of shape {tuple(tensor.shape)}"
+            )
+        values = tensor.tolist()
+    elif isinstance(tokens_to_remove, (list, tuple)) and all(_is_int(v) for v in tokens_to_remove):
+        values = list(tokens_to_remove)
+    else:
+        raise RollbackError(
+            f"crop takes a non-positive int or one non-positive int per batch row, got {tokens_to_remove!r}"
+        )
+    if any(v > 0 for v in values):
+        raise RollbackError(f"crop({values}): per-row counts must be <= 0 (-n removes the last n tokens of a row)")
+    if batch_size is None:
+        if any(values):
+            raise RollbackError(f"crop({values}): the cache holds no rows yet, so only zeros (a commit) apply")
+    elif len(values) != batch_size:
+        raise RollbackError(f"crop takes one count per batch row: got {len(values)} for a batch of {batch_size}")
+    return [-v for v in values]
+
+
+def check_row_lengths(lengths: Any, batch_size: int | None, longest: int, who: str) -> list[int] | None:
+    """Saved per-row lengths of a ragged layer (`meta_state["row_lengths"]`): None (every row holds
+    `longest`), or one int in `[0, longest]` per batch row, the longest exactly `longest`."""
+    if lengths is None:
+        return None
+    if (
+        not isinstance(lengths, list) or batch_size is None or len(lengths) != batch_size
+        or any(not _is_int(n) or not 0 <= n <= longest for n in lengths) or max(lengths) != longest
+    ):  # fmt: skip
+        raise CacheInputError(
+            f"{who}: 'row_lengths' must be one int in [0, {longest}] per batch row, the longest {longest}, "
+            f"got {lengths!r}"
+        )
+    return lengths
+
+
 def check_repeats(repeats: Any) -> int:
     """A `batch_repeat_interleave` argument: a positive int."""
     if not _is_int(repeats) or repeats < 1:

@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = [
     "append", "rollback", "memory", "persistence", "generation", "first_step", "speculation", "per_call",
-    "prefix_store",
+    "prefix_store", "batch_speculation",
 ]  # fmt: skip
 
 sys.path.insert(0, str(ROOT))
@@ -166,7 +166,11 @@ def test_table_and_json_output(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         table.add("too", "many", "cells")
     assert table.markdown().splitlines()[2:] == ["| name | value |", "| --- | ---: |", "| x | 1.5 |"]
-    section = Section("s", "S", tables=[table], targets=[Target("c", "t", "m", True)])
+    met, missed = Target("c", "t", "m", True, "why"), Target("d", "t", "m", False, "why")
+    assert (met.note, missed.note) == ("", "why")  # a miss always carries its explanation
+    with pytest.raises(ValueError, match="if_missed"):
+        Target("e", "t", "m", True, " ")  # written with the claim, whether or not this run misses
+    section = Section("s", "S", tables=[table], targets=[met, missed])
     section.figures = {"timing": Timing.of([1.0, 2.0, 3.0]), 4: math.nan, "inf": [math.inf]}
     write_json(tmp_path / "r.json", {"mode": "smoke"}, [section])
     figures = json.loads((tmp_path / "r.json").read_text())["scenarios"]["s"]["figures"]

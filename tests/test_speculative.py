@@ -392,11 +392,11 @@ class _GreedyDrafter(Drafter):
 def test_bad_inputs_raise_generation_errors(targets):
     target, prompt = targets["full"], torch.tensor([[1, 2, 3]])
     cases = [
-        ({"input_ids": prompt.repeat(2, 1)}, "batch size 1"),
+        ({"input_ids": prompt.repeat(2, 1), "cache": target.new_cache()}, "batch size 1"),
         ({"num_draft_tokens": 0}, "num_draft_tokens"),
         ({"max_new_tokens": 0}, "max_new_tokens"),
         ({"input_ids": torch.tensor([[1, VOCAB]])}, "outside"),
-        ({"attention_mask": torch.tensor([[0, 1, 1]])}, "attention_mask"),
+        ({"attention_mask": torch.tensor([[1, 1, 0]])}, "attention_mask"),  # right padding
         ({"draft": targets["encoder_decoder"]}, "same kind"),
         ({"draft": DecoderLM(DecoderConfig(vocab_size=VOCAB + 1))}, "vocabulary"),
         ({"intermediate_states": True}, "set_return_intermediate_states"),

@@ -294,3 +294,61 @@ def _held(layer: Any) -> int:
     if "kept_length" in meta:
         return meta["kept_length"]
     return meta["slots"][0]["conv_columns"] if "slots" in meta else 0
+
+
+# -------------------------------------------------------------- batched speculative decoding
+class _RowSteered:
+    """A wrapped transformers model as a draft that disagrees with the target where position plus
+    batch row is a multiple of 3 (its greedy choice moves to the next token id), so rows of one
+    batch accept different numbers of draft tokens in the same step."""
+
+    def __init__(self, wrapped: Any) -> None:
+        self.wrapped = wrapped
+        self.vocab_size = wrapped.vocab_size
+        self.is_encoder_decoder = False
+        self.new_cache = wrapped.new_cache
+
+    def __call__(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        logits = self.wrapped(input_ids, **kwargs)
+        rows = torch.arange(input_ids.shape[0])[:, None]
+        move = ((kwargs["position_ids"] + rows) % 3 == 0)[..., None]
+        return torch.where(move, logits.roll(1, dims=-1), logits)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+@pytest.mark.parametrize("batch", [2, 4])
+def test_batched_speculative_decoding_equals_transformers_batched_generate(kind: str, batch: int) -> None:
+    """Left-padded rows of different lengths, k = 1, 3, 5: row for row the tokens of transformers'
+    own batched greedy generate() (with its own cache), while rows accept different counts and the
+    kvcache cache is cropped per row (Gemma3: sliding and full layers get one mask each)."""
+    from kvcache.generation import ModelDrafter, speculative_generate
+    from kvcache.integrations.transformers import wrap_model
+
+    model = tiny_model(kind)
+    source = prompt(batch=batch, length=10, seed=3)
+    mask = torch.ones_like(source)
+    for b in range(batch):
+        mask[b, : (3 * b) % 7] = 0  # rows 0..6 tokens shorter, left-padded
+    source = source.masked_fill(mask == 0, 0)
+    expected = model.generate(source, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    wrapped = wrap_model(model)
+    ragged = 0
+    for k in (1, 3, 5):
+        out = speculative_generate(wrapped, ModelDrafter(_RowSteered(wrapped)), source, attention_mask=mask,
+                                   num_draft_tokens=k, max_new_tokens=12)  # fmt: skip
+        assert torch.equal(out.sequences, expected), f"k={k}"
+        steps = min(len(a) for a in out.accepted_per_step)
+        ragged += sum(len({a[s] for a in out.accepted_per_step}) > 1 for s in range(steps))
+    assert ragged > 0
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "mamba2"])
+def test_batched_speculation_refuses_recurrent_transformers_models(kind: str) -> None:
+    """Their kernels hand the cache no per-token states, so a row cannot be cropped inside a verify
+    forward: a clear error instead of a silently wrong batch (batch size 1 re-feeds instead)."""
+    from kvcache import GenerationError
+    from kvcache.generation import PromptLookupDrafter, speculative_generate
+    from kvcache.integrations.transformers import wrap_model
+
+    with pytest.raises(GenerationError, match="per-token recurrent states"):
+        speculative_generate(wrap_model(tiny_model(kind)), PromptLookupDrafter(), prompt(), max_new_tokens=4)

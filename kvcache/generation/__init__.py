@@ -5,6 +5,7 @@ from .drafters import Draft, Drafter, ModelDrafter, PromptLookupDrafter
 from .driver import GenerationOutput, generate
 from .sampling import Sampling
 from .speculative import SpeculativeOutput, speculative_generate
+from .speculative_batch import BatchSpeculativeOutput
 from .stop import DeferredStopCheck, StopCheck, is_async_device
 from .streamers import Streamer, TextStreamer, TokenCollector
 
@@ -16,6 +17,7 @@ __all__ = [
     "ModelDrafter",
     "PromptLookupDrafter",
     "Sampling",
+    "BatchSpeculativeOutput",
     "SpeculativeOutput",
     "StopCheck",
     "Streamer",

@@ -14,8 +14,8 @@ no forward of its own; when many such tokens pile up, one plain step feeds them)
 follows the acceptance (up by 2 after a fully accepted draft, down by 1 otherwise, as
 transformers' assistant schedule), so a drafter that is mostly wrong costs little.
 
-Batch size 1 only: with a batch, rows accept different numbers of tokens and would need per-row
-cache lengths.
+A batch (several rows, or a left-padded one) goes through `speculative_batch`: rows accept
+different numbers of tokens and the caches are cropped per row.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ import torch
 from ..cache import Cache
 from ..errors import GenerationError
 from .drafters import Draft, Drafter, ModelDrafter
-from .inputs import check_generator, check_ids, check_int, check_model, check_token_list
+from .inputs import check_generator, check_ids, check_int, check_mask, check_model, check_token_list
 from .sampling import Sampling
+from .speculative_batch import BatchSpeculativeOutput, speculate_batch
 from .speculative_runner import NO_ROLLBACK, REFEED, ModelRunner
 
 
@@ -158,7 +159,8 @@ def speculative_generate(
     draft_cache: Cache | None = None,
     draft_schedule: str = "adaptive",
     prefix_store: Any = None,
-) -> SpeculativeOutput:
+    pad_token_id: int | None = None,
+) -> SpeculativeOutput | BatchSpeculativeOutput:
     """Decode `max_new_tokens` tokens (fewer at eos) from `target`, drafting with `draft`.
 
     `target` is a `CausalLM` (`input_ids` is the prompt) or an `EncoderDecoderLM` (`input_ids` is
@@ -170,8 +172,13 @@ def speculative_generate(
     `intermediate_states`: have a model with `set_return_intermediate_states` hand its per-token
     recurrent states to the cache during verification, so rejected tokens are cropped in place;
     None = whenever the target supports it; False = never (rollback re-feeds the accepted tokens).
-    Batch size 1 only (`attention_mask`, if given, must be all ones; for encoder-decoder targets it
-    is the encoder mask).
+    A batch (`input_ids` `[batch, seq]` left-padded with `attention_mask`; for encoder-decoder
+    targets the encoder input and its mask) decodes every row at once, each row accepting its own
+    number of draft tokens and stopping at its own eos or `max_new_tokens` (then `pad_token_id`,
+    default the first eos id); it returns a `BatchSpeculativeOutput` with per-row statistics.
+    Greedy batches return, row for row, what batched greedy `generate` returns. Recurrent layers
+    (target or draft model) need `set_return_intermediate_states` there; `cache`, `draft_cache`
+    and `prefix_store` are for batch size 1.
     `cache` / `draft_cache` continue existing caches of the target / the draft model (a loaded prompt
     cache, or the `cache` and `draft_cache` a previous call returned), as `generate` does: pass the
     whole sequence so far as `input_ids`; what a cache already holds is skipped. Decoder-only
@@ -184,7 +191,7 @@ def speculative_generate(
     encoder_decoder = check_model(target)
     drafter = _as_drafter(target, draft, encoder_decoder)
     input_ids = check_ids("input_ids", input_ids, int(target.vocab_size))
-    _check_batch_one(input_ids, attention_mask)
+    batched = _is_batch(input_ids, attention_mask)
     check_int("num_draft_tokens", num_draft_tokens, minimum=1)
     check_int("max_new_tokens", max_new_tokens, minimum=1)
     if draft_schedule not in ("adaptive", "constant"):
@@ -194,6 +201,10 @@ def speculative_generate(
     check_generator(generator, device)
     verifier = _Verifier(Sampling(do_sample, temperature, top_k, top_p), generator)
     use_intermediate = _intermediate_states_switch(target, intermediate_states)
+    if batched:
+        return speculate_batch(target, drafter, verifier, input_ids, attention_mask, encoder_decoder,
+                               num_draft_tokens, draft_schedule, max_new_tokens, eos, pad_token_id,
+                               intermediate_states, use_intermediate, (cache, draft_cache, prefix_store))  # fmt: skip
     _check_given_caches(target, drafter, input_ids, cache, draft_cache, encoder_decoder)
     if prefix_store is not None:
         from ..store import prefill_for_generation
@@ -332,18 +343,11 @@ def _check_given_caches(
             _probe_cache(model, given, input_ids, input_ids, False, need_rollback=False)
 
 
-def _check_batch_one(input_ids: torch.Tensor, attention_mask: Any) -> None:
-    if input_ids.shape[0] != 1:
-        raise GenerationError(
-            f"speculative decoding supports batch size 1 only, got {input_ids.shape[0]} rows "
-            "(rows would accept different numbers of tokens)"
-        )
-    if attention_mask is not None and (
-        not isinstance(attention_mask, torch.Tensor)
-        or tuple(attention_mask.shape) != tuple(input_ids.shape)
-        or not bool((attention_mask == 1).all())
-    ):
-        raise GenerationError("attention_mask must be None or all ones of input_ids' shape (batch 1, no padding)")
+def _is_batch(input_ids: torch.Tensor, attention_mask: Any) -> bool:
+    """Whether the batched path runs: several rows, or one row with padding (checked as
+    `generate` checks a left-padding mask)."""
+    mask = check_mask(attention_mask, input_ids)
+    return input_ids.shape[0] > 1 or (mask is not None and not bool((mask == 1).all()))
 
 
 def _intermediate_states_switch(target: Any, wanted: bool | None) -> Callable[[bool], Callable[[], None]]:

@@ -59,6 +59,9 @@ class TransformersCausalLM:
     ) -> torch.Tensor:
         if attention_mask is not None and self._mask_per_new_token:
             attention_mask = attention_mask[:, -input_ids.shape[1] :]
+        elif cache is not None and cache.is_ragged:
+            attention_mask = ragged_masks(self.config, cache, attention_mask, input_ids.shape[1], self.model.dtype,
+                                          input_ids.device)  # fmt: skip
         kwargs: dict[str, Any] = {"attention_mask": attention_mask, **model_kwargs}
         if position_ids is not None and self._takes_position_ids:
             kwargs["position_ids"] = position_ids
@@ -67,6 +70,35 @@ class TransformersCausalLM:
         else:
             kwargs.update(cache=as_transformers_cache(cache), use_cache=True)
         return self.model(input_ids=input_ids, **kwargs).logits
+
+
+def ragged_masks(
+    config: Any, cache: Cache, attention_mask: torch.Tensor | None, query_length: int, dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor | dict[str, torch.Tensor]:  # fmt: skip
+    """The 4-D additive masks of a forward on a ragged cache (rows of different lengths after a
+    per-row crop), which transformers' mask functions cannot express: they place every row's
+    queries at one shared position. Each row's queries follow its own tokens (`get_seq_lengths`);
+    a sliding layer sees itself and the `sliding_window - 1` keys before; `attention_mask` marks
+    padding. One tensor for models of one layer type, else one per type (as Gemma3-style models
+    accept them); transformers uses a prepared 4-D mask as given."""
+    from ..models.modules import attention_bias
+
+    text = config.get_text_config(decoder=True)
+    types = list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise CacheInputError(f"rows of different lengths: no mask for layer types {unknown} ({type(config).__name__})")
+    past = cache.get_seq_lengths().to(device)
+    masks: dict[str, torch.Tensor] = {}
+    for layer_idx, kind in enumerate(types):
+        if kind not in masks:
+            kv_length, kv_offset = cache.get_mask_sizes(query_length, layer_idx)
+            window = text.sliding_window if kind == "sliding_attention" else None
+            masks[kind] = attention_bias(query_length=query_length, past_length=past, kv_length=kv_length,
+                                         kv_offset=kv_offset, sliding_window=window, attention_mask=attention_mask,
+                                         dtype=dtype, device=device)  # fmt: skip
+    return masks if len(masks) > 1 else next(iter(masks.values()))
 
 
 class TransformersEncoderDecoderLM:

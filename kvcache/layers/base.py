@@ -10,7 +10,7 @@ import torch
 from typing_extensions import Self
 
 from ..errors import RollbackError
-from ..validation import check_batch_index, check_move, check_repeats, crop_amount
+from ..validation import check_batch_index, check_move, check_repeats, crop_amount, row_crop_amounts
 
 #: Every concrete layer class by its name. Loading a file builds only classes found here.
 LAYER_REGISTRY: dict[str, type[CacheLayer]] = {}
@@ -40,6 +40,8 @@ class CacheLayer(ABC):
     has_recurrent: ClassVar[bool] = False
     #: The layer holds tokens at all (an `EmptyLayer` does not, and never limits rollback).
     holds_tokens: ClassVar[bool] = True
+    #: `crop` takes different counts per batch row (`_remove_rows`, `row_rollback`).
+    crops_rows: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._recording = False
@@ -96,8 +98,12 @@ class CacheLayer(ABC):
         """
         return self._recording
 
-    def check_crop(self, tokens_to_remove: int) -> None:
+    def check_crop(self, tokens_to_remove: int | torch.Tensor | list[int]) -> None:
         """Raise `RollbackError` unless `crop(tokens_to_remove)` would succeed exactly."""
+        counts = row_crop_amounts(tokens_to_remove, self.batch_size)
+        if counts is not None:
+            self._check_rows(counts)
+            return
         n = crop_amount(tokens_to_remove)
         if n > self.max_rollback:
             raise RollbackError(
@@ -105,13 +111,60 @@ class CacheLayer(ABC):
                 f"can be rolled back now ({self._rollback_hint()})"
             )
 
-    def crop(self, tokens_to_remove: int) -> None:
-        """`crop(-n)` removes the last n tokens exactly; `crop(0)` commits. Failing crops change nothing."""
-        self.check_crop(tokens_to_remove)
-        if tokens_to_remove == 0:
-            self._commit()
+    def crop(self, tokens_to_remove: int | torch.Tensor | list[int]) -> None:
+        """`crop(-n)` removes the last n tokens exactly; `crop(0)` commits. A 1-D tensor (or list) of
+        one `-n_b` per batch row removes the last `n_b` tokens of each row b (docs/contract.md,
+        "Per-row rollback"). Failing crops change nothing."""
+        counts = row_crop_amounts(tokens_to_remove, self.batch_size)
+        if counts is None:
+            self.check_crop(tokens_to_remove)
+            if tokens_to_remove == 0:
+                self._commit()
+            else:
+                self._remove_last(-tokens_to_remove)  # type: ignore[operator]
+            return
+        self._check_rows(counts)
+        if len(set(counts)) <= 1:
+            self.crop(-counts[0] if counts else 0)
         else:
-            self._remove_last(-tokens_to_remove)
+            self._remove_rows(counts)
+
+    def _check_rows(self, counts: list[int]) -> None:
+        """Raise `RollbackError` unless row b can lose its last `counts[b]` tokens exactly."""
+        if len(set(counts)) <= 1:
+            self.check_crop(-counts[0] if counts else 0)
+            return
+        if not self.crops_rows:
+            raise RollbackError(
+                f"{type(self).__name__} cannot crop batch rows by different counts (got {counts}); "
+                "its fixed-shape storage is shared by all rows"
+            )
+        lengths = self.row_lengths()
+        reach = self.row_rollback()
+        for row, (n, length, most) in enumerate(zip(counts, lengths, reach, strict=True)):
+            if n > most:
+                raise RollbackError(
+                    f"{type(self).__name__} cannot remove {n} token(s) from row {row} (of {length}): at most "
+                    f"{most} can be rolled back there now ({self._rollback_hint()})"
+                )
+
+    def row_lengths(self) -> list[int]:
+        """Tokens each batch row holds (as `get_seq_length` counts them; rows differ after a per-row
+        crop). Empty before the first update."""
+        return [self.get_seq_length()] * (self.batch_size or 0)
+
+    def row_rollback(self) -> list[int]:
+        """Per row, how many of its most recent tokens a per-row crop can remove."""
+        return [self.max_rollback] * (self.batch_size or 0)
+
+    @property
+    def is_ragged(self) -> bool:
+        """Whether batch rows hold different numbers of tokens (after a per-row crop)."""
+        return False
+
+    def _remove_rows(self, counts: list[int]) -> None:
+        """Drop the last `counts[b]` tokens of each row b (checked; at least two counts differ)."""
+        raise RollbackError(f"{type(self).__name__} cannot crop batch rows by different counts")
 
     def _rollback_hint(self) -> str:
         return "recording" if self._recording else "not recording"

@@ -8,7 +8,7 @@ import torch
 from typing_extensions import Self
 
 from ..errors import CacheInputError
-from ..validation import check_query_length
+from ..validation import check_query_length, check_row_lengths
 from .base import CacheLayer, register_layer
 from .kv_buffer import GROWTH, KVBuffer
 
@@ -19,6 +19,7 @@ class DynamicLayer(CacheLayer):
 
     #: Headroom of the growth buffer (see `kv_buffer`).
     growth: ClassVar[float] = GROWTH
+    crops_rows = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -61,6 +62,19 @@ class DynamicLayer(CacheLayer):
     def _remove_last(self, n: int) -> None:
         self._kv.drop_last(n)
 
+    def row_lengths(self) -> list[int]:
+        return self._kv.row_lengths()
+
+    def row_rollback(self) -> list[int]:
+        return self._kv.row_lengths()
+
+    @property
+    def is_ragged(self) -> bool:
+        return self._kv.row_ends is not None
+
+    def _remove_rows(self, counts: list[int]) -> None:
+        self._kv.drop_rows(counts)
+
     def _commit(self) -> None:
         self._kv.shrink()
 
@@ -91,7 +105,10 @@ class DynamicLayer(CacheLayer):
 
     @property
     def meta_state(self) -> dict[str, Any]:
-        return {"seq_length": self.get_seq_length(), "record_past": self._recording}
+        meta: dict[str, Any] = {"seq_length": self.get_seq_length(), "record_past": self._recording}
+        if self.is_ragged:
+            meta["row_lengths"] = self.row_lengths()
+        return meta
 
     def _load_kv(self, state: dict[str, torch.Tensor], kept: int) -> None:
         """Take over `state`'s keys/values, checking they hold `kept` tokens."""
@@ -105,10 +122,17 @@ class DynamicLayer(CacheLayer):
         check_loaded_pair(keys, values, kept, type(self).__name__)
         self._kv = KVBuffer.from_tensors(keys, values, self.growth)  # a copy: the layer never aliases what it was given
 
+    def _load_row_lengths(self, meta_state: dict[str, Any], kept: int) -> None:
+        """Take over the per-row lengths of a ragged layer (absent: every row holds `kept`)."""
+        lengths = check_row_lengths(meta_state.get("row_lengths"), self.batch_size, kept, type(self).__name__)
+        self._kv.set_row_lengths(lengths)
+
     @classmethod
     def from_state(cls, meta_state: dict[str, Any], state: dict[str, torch.Tensor]) -> Self:
         layer = cls()
-        layer._load_kv(state, nonneg_int(meta_state, "seq_length", cls.__name__))
+        kept = nonneg_int(meta_state, "seq_length", cls.__name__)
+        layer._load_kv(state, kept)
+        layer._load_row_lengths(meta_state, kept)
         layer._recording = bool(meta_state.get("record_past", False))
         return layer
 

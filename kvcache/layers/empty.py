@@ -9,7 +9,7 @@ import torch
 from typing_extensions import Self
 
 from ..errors import CacheInputError
-from ..validation import crop_amount
+from ..validation import crop_amount, row_crop_amounts
 from .base import CacheLayer, register_layer
 
 
@@ -44,8 +44,18 @@ class EmptyLayer(CacheLayer):
     def is_croppable(self) -> bool:
         return True
 
-    def check_crop(self, tokens_to_remove: int) -> None:
-        crop_amount(tokens_to_remove)  # any amount: there is nothing to remove
+    def check_crop(self, tokens_to_remove: Any) -> None:
+        """Any well-formed amount, per row or not: there is nothing to remove."""
+        if isinstance(tokens_to_remove, int):
+            crop_amount(tokens_to_remove)
+        else:
+            rows = tokens_to_remove.numel() if isinstance(tokens_to_remove, torch.Tensor) else None
+            if rows is None and isinstance(tokens_to_remove, (list, tuple)):
+                rows = len(tokens_to_remove)
+            row_crop_amounts(tokens_to_remove, rows)
+
+    def crop(self, tokens_to_remove: Any) -> None:
+        self.check_crop(tokens_to_remove)
 
     def _remove_last(self, n: int) -> None:
         pass

@@ -108,11 +108,21 @@ class HybridLayer(CacheLayer):
     def is_croppable(self) -> bool:
         return self.attention.is_croppable and self.recurrent.is_croppable
 
-    def check_crop(self, tokens_to_remove: int) -> None:
+    def check_crop(self, tokens_to_remove: Any) -> None:
         self.attention.check_crop(tokens_to_remove)
         self.recurrent.check_crop(tokens_to_remove)
 
-    def crop(self, tokens_to_remove: int) -> None:
+    def row_lengths(self) -> list[int]:
+        return self.attention.row_lengths()
+
+    def row_rollback(self) -> list[int]:
+        return [min(a, r) for a, r in zip(self.attention.row_rollback(), self.recurrent.row_rollback(), strict=True)]
+
+    @property
+    def is_ragged(self) -> bool:
+        return self.attention.is_ragged
+
+    def crop(self, tokens_to_remove: Any) -> None:
         self.check_crop(tokens_to_remove)
         self.attention.crop(tokens_to_remove)
         self.recurrent.crop(tokens_to_remove)

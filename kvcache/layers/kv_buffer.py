@@ -88,7 +88,7 @@ class KVBuffer:
     mutating call.
     """
 
-    __slots__ = ("_keys_bm", "_signature", "_values_bm", "end", "growth", "keys", "start", "values")
+    __slots__ = ("_keys_bm", "_signature", "_values_bm", "end", "growth", "keys", "row_ends", "start", "values")
 
     def __init__(self, growth: float = GROWTH) -> None:
         self.keys: torch.Tensor | None = None  # [capacity, batch, kv_heads, head_dim]
@@ -99,6 +99,10 @@ class KVBuffer:
         self.start = 0
         self.end = 0
         self.growth = growth
+        # After a per-row crop: where each batch row's tokens end (storage rows; `end` is their max).
+        # Rows stay contiguous from `start`; a shorter row's slots past its end hold stale finite
+        # values its causal mask hides. None: every row ends at `end`.
+        self.row_ends: list[int] | None = None
 
     def _set_storage(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Adopt sequence-major storage, and the batch-major views every later call slices (one op a view)."""
@@ -179,9 +183,30 @@ class KVBuffer:
         if self.keys is None or end + n > self.keys.shape[0]:
             self._reserve(n, key_states, value_states)
             end = self.end
+        if self.row_ends is not None:
+            self._append_rows(key_states, value_states)
+            return
         self._keys_bm.narrow(2, end, n).copy_(key_states)  # type: ignore[union-attr]
         self._values_bm.narrow(2, end, n).copy_(value_states)  # type: ignore[union-attr]
         self.end = end + n
+
+    def _append_rows(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Write each row's new tokens after its own end: one scatter of the new tokens per tensor
+        (nothing already held moves)."""
+        assert self.keys is not None and self.values is not None and self.row_ends is not None
+        batch, n = key_states.shape[0], key_states.shape[2]
+        device = self.keys.device
+        positions = torch.tensor(self.row_ends, device=device)[:, None] + torch.arange(n, device=device)
+        rows = torch.arange(batch, device=device)[:, None].expand(batch, n)
+        # The view handed out now reaches `end + n`; a row ending short of that has slots there it
+        # never wrote (fresh storage, uninitialized). They sit behind its causal mask, but a mask
+        # hides only finite values (NaN * 0 is NaN), so they are zeroed first.
+        self.keys[self.end : self.end + n].zero_()
+        self.values[self.end : self.end + n].zero_()
+        self.keys.index_put_((positions, rows), key_states.transpose(1, 2))
+        self.values.index_put_((positions, rows), value_states.transpose(1, 2))
+        self.row_ends = [e + n for e in self.row_ends]
+        self.end += n
 
     def _reserve(self, n: int, key_like: torch.Tensor, value_like: torch.Tensor) -> None:
         if self.keys is None or self.values is None:
@@ -209,7 +234,12 @@ class KVBuffer:
             hi = min(lo + step, live)
             self.keys[lo:hi].copy_(self.keys[self.start + lo : self.start + hi])
             self.values[lo:hi].copy_(self.values[self.start + lo : self.start + hi])
+        self._shift_rows(self.start)
         self.start, self.end = 0, live
+
+    def _shift_rows(self, by: int) -> None:
+        if self.row_ends is not None:
+            self.row_ends = [e - by for e in self.row_ends]
 
     def _adopt(self, keys: torch.Tensor, values: torch.Tensor, extra: int = 0) -> None:
         """Fresh storage holding copies of sequence-major `keys`/`values`, sized for `extra` more."""
@@ -220,10 +250,34 @@ class KVBuffer:
         new_keys[:live].copy_(keys)
         new_values[:live].copy_(values)
         self._set_storage(new_keys, new_values)
+        self._shift_rows(self.start)
         self.start, self.end = 0, live
 
     def drop_last(self, n: int) -> None:
         self.end -= n
+        if self.row_ends is not None:
+            self.row_ends = [e - n for e in self.row_ends]
+
+    def row_lengths(self) -> list[int]:
+        """Live tokens of each batch row."""
+        if self.keys is None:
+            return []
+        if self.row_ends is None:
+            return [len(self)] * self.keys.shape[1]
+        return [e - self.start for e in self.row_ends]
+
+    def drop_rows(self, counts: list[int]) -> None:
+        """Drop the last `counts[b]` tokens of each row b (O(batch): only the ends move)."""
+        ends = [e - c for e, c in zip(self.row_ends or [self.end] * len(counts), counts, strict=True)]
+        self.end = max(ends)
+        self.row_ends = None if len(set(ends)) == 1 else ends
+
+    def set_row_lengths(self, lengths: list[int] | None) -> None:
+        """Adopt per-row live lengths (a loaded or copied ragged buffer); their max is `len(self)`."""
+        if lengths is None or len(set(lengths)) <= 1:
+            self.row_ends = None
+        else:
+            self.row_ends = [self.start + n for n in lengths]
 
     def keep_last(self, n: int) -> None:
         """Drop all but the last `n` live tokens from the front."""
@@ -242,6 +296,11 @@ class KVBuffer:
         """Replace the batch dimension by `live[index]` (fresh storage, with headroom)."""
         if self.keys is None or self.values is None:
             return
+        if self.row_ends is not None:
+            ends = [self.row_ends[i] for i in index.tolist()]
+            self.row_ends = None if len(set(ends)) <= 1 else ends
+            if ends and self.row_ends is None:
+                self.end = ends[0]  # the kept rows all end here: what lies past it is stale
         index = index.to(self.keys.device)
         live_keys, live_values = self.keys[self.start : self.end], self.values[self.start : self.end]
         self._adopt(live_keys.index_select(1, index), live_values.index_select(1, index))

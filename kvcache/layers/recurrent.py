@@ -42,7 +42,9 @@ import torch
 from typing_extensions import Self
 
 from ..errors import CacheInputError, RollbackError
+from ..validation import check_row_lengths
 from .base import CacheLayer, register_layer
+from .recurrent_rows import crop_rows
 from .recurrent_slots import CONV_BLOCK, LOST, Slot, Step, restore_slots, step_tokens
 
 
@@ -72,11 +74,13 @@ class RecurrentLayer(CacheLayer):
 
     has_attention = False
     has_recurrent = True
+    crops_rows = True
 
     def __init__(self, num_states: int = 1) -> None:
         super().__init__()
         self.num_states = _positive_int(num_states, "num_states")
         self._slots = [Slot() for _ in range(self.num_states)]
+        self._behind: list[int] | None = None  # after a per-row crop: tokens each row is behind the count
 
     # ------------------------------------------------------------------------------ checks
     def _slot(self, state_idx: Any) -> Slot:
@@ -265,6 +269,8 @@ class RecurrentLayer(CacheLayer):
 
     def check_crop(self, tokens_to_remove: int) -> None:
         super().check_crop(tokens_to_remove)
+        if not isinstance(tokens_to_remove, int):
+            return  # per-row counts: `_check_rows` checked each (and came back here for uniform ones)
         n = -tokens_to_remove
         for state_idx, slot in enumerate(self._slots):
             if n and slot.active and not slot.can_keep(slot.recorded - n):
@@ -287,6 +293,24 @@ class RecurrentLayer(CacheLayer):
             if slot.active:
                 slot.keep(slot.recorded - n)
 
+    # ------------------------------------------------------------------------ per-row rollback
+    def row_lengths(self) -> list[int]:
+        seen = self.get_seq_length()
+        return [seen - b for b in self._behind] if self._behind is not None else super().row_lengths()
+
+    @property
+    def is_ragged(self) -> bool:
+        return self._behind is not None
+
+    def _check_rows(self, counts: list[int]) -> None:
+        super()._check_rows(counts)
+        for n in sorted(set(counts)):
+            self.check_crop(-n)  # each count lands on a restorable boundary of every state index
+
+    def _remove_rows(self, counts: list[int]) -> None:
+        """Each row takes the states it had `counts[b]` tokens ago (`recurrent_rows.crop_rows`)."""
+        self._behind = crop_rows(self._slots, self.row_lengths(), counts)
+
     def _commit(self) -> None:
         for slot in self._slots:
             slot.commit()
@@ -294,12 +318,20 @@ class RecurrentLayer(CacheLayer):
     # ------------------------------------------------------------------------- batch / misc
     def reset(self) -> None:
         self._slots = [Slot() for _ in range(self.num_states)]
+        self._behind = None
 
     @property
     def batch_size(self) -> int | None:
         return next((b for b in (slot.batch_size() for slot in self._slots) if b is not None), None)
 
     def _index_batch(self, index: torch.Tensor) -> None:
+        if self._behind is not None:
+            behind = [self._behind[i] for i in index.tolist()]
+            low = min(behind, default=0)  # the longest kept row sets the count
+            for slot in self._slots:
+                if slot.active:
+                    slot.seen -= low
+            self._behind = None if len(set(behind)) <= 1 else [b - low for b in behind]
         for slot in self._slots:
             if slot.conv is not None:
                 slot.conv = slot.conv[index.to(slot.conv.device), :, : slot.conv_end]
@@ -365,7 +397,10 @@ class RecurrentLayer(CacheLayer):
                     "steps": steps,
                 }
             )
-        return {"num_states": self.num_states, "record_past": self._recording, "slots": slots}
+        meta = {"num_states": self.num_states, "record_past": self._recording, "slots": slots}
+        if self._behind is not None:
+            meta["row_lengths"] = self.row_lengths()
+        return meta
 
     def __repr__(self) -> str:
         held = [
@@ -379,7 +414,12 @@ class RecurrentLayer(CacheLayer):
     @classmethod
     def from_state(cls, meta_state: dict[str, Any], state: dict[str, torch.Tensor]) -> Self:
         try:
-            return restore_slots(cls(meta_state["num_states"]), meta_state, state)
+            layer = restore_slots(cls(meta_state["num_states"]), meta_state, state)
+            seen = layer.get_seq_length()
+            lengths = check_row_lengths(meta_state.get("row_lengths"), layer.batch_size, seen, "RecurrentLayer")
+            if lengths is not None:
+                layer._behind = None if len(set(lengths)) == 1 else [seen - n for n in lengths]
+            return layer
         except CacheInputError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:

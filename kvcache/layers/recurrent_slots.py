@@ -147,6 +147,24 @@ class Slot:
         i, offset = self.locate(keep)
         return i == len(self.steps) or self.steps[i].restorable_at(offset)
 
+    def state_at(self, keep: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(recurrent state, conv window) as they were with `keep` recorded tokens (checked with
+        `can_keep`), without changing anything; views into the history, None where none existed."""
+        i, offset = self.locate(keep)
+        removed = self.steps[i:]
+        if not removed:
+            rec = self.rec
+        elif offset == 0:
+            rec = removed[0].before if isinstance(removed[0].before, torch.Tensor) else None
+        else:
+            inter = removed[0].inter
+            rec = None if inter is None else inter[:, offset - 1]
+        removed_conv = sum(s.conv_tokens for s in removed) - (offset if removed and removed[0].conv_tokens else 0)
+        end = self.conv_end - removed_conv
+        if self.conv is None or self.kernel is None or (self.conv_from_empty and end == self.kernel):
+            return rec, None
+        return rec, self.conv[..., end - self.kernel : end]
+
     def keep(self, keep: int) -> None:
         """Roll back to `keep` recorded tokens (checked with `can_keep`)."""
         i, offset = self.locate(keep)

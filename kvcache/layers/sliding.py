@@ -42,16 +42,33 @@ class SlidingWindowLayer(DynamicLayer):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self._kv.check(key_states, value_states, type(self).__name__)
-        visible = min(self._seen, self._working_size) + key_states.shape[2]
+        visible = self._seen - self._first_visible() + key_states.shape[2]
         self._kv.append(key_states, value_states)
         self._seen += key_states.shape[2]
         returned = self._kv.tail(visible)
         self._evict()
         return returned
 
+    def _kept_from(self) -> int:
+        """Absolute position of the oldest token held."""
+        return self._seen - len(self._kv)
+
+    def row_lengths(self) -> list[int]:
+        """Tokens each row has seen (rows differ after a per-row crop)."""
+        start = self._kept_from()
+        return [start + n for n in self._kv.row_lengths()]
+
+    def _shortest(self) -> int:
+        return min(self.row_lengths(), default=self._seen) if self.is_ragged else self._seen
+
+    def _first_visible(self) -> int:
+        """Absolute position of the first key the next update returns: the window of the row
+        that has seen the fewest tokens starts there."""
+        return max(self._shortest() - self._working_size, 0)
+
     def _evict(self) -> None:
-        recorded = self._seen - self._seen_at_commit if self._recording else 0
-        self._kv.keep_last(self._working_size + recorded)
+        floor = self._seen_at_commit if self._recording else self._shortest()
+        self._kv.keep_last(self._seen - max(floor - self._working_size, 0))
         if not self._recording:
             self._kv.shrink()  # a long prefill chunk must not leave its storage behind
 
@@ -60,13 +77,22 @@ class SlidingWindowLayer(DynamicLayer):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         query_length = check_query_length(query_length)
-        return min(self._seen, self._working_size) + query_length, max(self._seen - self._working_size, 0)
+        offset = self._first_visible()
+        return self._seen - offset + query_length, offset
 
     def get_max_length(self) -> int:
         return self.sliding_window
 
+    def row_rollback(self) -> list[int]:
+        start = self._kept_from()
+        if start == 0:  # nothing evicted yet
+            return self.row_lengths()
+        return [max(seen - self._working_size - start, 0) for seen in self.row_lengths()]
+
     @property
     def max_rollback(self) -> int:
+        if self.is_ragged:
+            return min(self.row_rollback())
         kept = len(self._kv)
         return self._seen if kept == self._seen else kept - self._working_size
 
@@ -82,11 +108,23 @@ class SlidingWindowLayer(DynamicLayer):
     def _remove_last(self, n: int) -> None:
         self._kv.drop_last(n)
         self._seen -= n
-        self._seen_at_commit = min(self._seen_at_commit, self._seen)
+        self._seen_at_commit = min(self._seen_at_commit, self._shortest())
+
+    def _remove_rows(self, counts: list[int]) -> None:
+        start = self._kept_from()
+        self._kv.drop_rows(counts)
+        self._seen = start + len(self._kv)
+        self._seen_at_commit = min(self._seen_at_commit, self._shortest())
+
+    def _index_batch(self, index: torch.Tensor) -> None:
+        start = self._kept_from()
+        self._kv.index_batch(index)
+        self._seen = start + len(self._kv)  # the longest kept row's count
+        self._seen_at_commit = min(self._seen_at_commit, self._shortest())
 
     def _commit(self) -> None:
-        self._seen_at_commit = self._seen
-        self._kv.keep_last(self._working_size)
+        self._seen_at_commit = self._shortest()
+        self._kv.keep_last(self._seen - max(self._seen_at_commit - self._working_size, 0))
         self._kv.shrink()
 
     def reset(self) -> None:
@@ -101,6 +139,7 @@ class SlidingWindowLayer(DynamicLayer):
             "kept_length": len(self._kv),
             "seq_length_at_commit": self._seen_at_commit,
             "record_past": self._recording,
+            **({"row_lengths": self.row_lengths()} if self.is_ragged else {}),
         }
 
     @classmethod
@@ -113,12 +152,18 @@ class SlidingWindowLayer(DynamicLayer):
         recording = meta_state.get("record_past", False)
         if not isinstance(recording, bool):
             raise CacheInputError(f"{name}: 'record_past' must be a bool, got {recording!r}")
-        bound = layer._working_size + (seen - at_commit if recording else 0)
-        if at_commit > seen or kept != min(seen, bound):
+        lengths = meta_state.get("row_lengths")  # tokens seen per row, checked as held ones below
+        start = seen - kept
+        held = [n - start if isinstance(n, int) else n for n in lengths] if isinstance(lengths, list) else lengths
+        ints = isinstance(lengths, list) and lengths and all(isinstance(n, int) for n in lengths)
+        shortest = min(lengths) if ints else seen  # malformed ones are refused by `_load_row_lengths`
+        floor = at_commit if recording else shortest
+        if at_commit > shortest or kept != min(seen, seen - floor + layer._working_size):
             raise CacheInputError(
                 f"{name}: inconsistent lengths (seen {seen}, kept {kept}, at commit {at_commit}, "
                 f"window {layer.sliding_window}, recording {recording})"
             )
         layer._load_kv(state, kept)
+        layer._load_row_lengths({"row_lengths": held}, kept)
         layer._seen, layer._seen_at_commit, layer._recording = seen, at_commit, recording
         return layer

@@ -8,7 +8,7 @@ import torch
 from typing_extensions import Self
 
 from ..errors import CacheInputError, CacheOverflowError
-from ..validation import check_query_length
+from ..validation import check_query_length, check_row_lengths
 from .base import CacheLayer, register_layer
 from .dynamic import check_loaded_pair, nonneg_int
 from .kv_buffer import check_kv_pair, check_matches
@@ -98,6 +98,10 @@ class StaticLayer(FixedKVLayer):
         self.max_cache_len = max_cache_len
         self._host_length: int | None = 0  # None after compiled updates, until read back
         self._position = torch.zeros((), dtype=torch.long)  # the length, on the keys' device
+        # After a per-row crop: each row's length (the longest is the length). Eager updates only.
+        self._rows: list[int] | None = None
+
+    crops_rows = True
 
     @property
     def _length(self) -> int:
@@ -127,16 +131,52 @@ class StaticLayer(FixedKVLayer):
             )
         if self.keys is None:
             self.lazy_initialization(key_states, value_states)
+        if self._rows is not None:
+            return self._update_rows(key_states, value_states)
         length = self._length
         self.keys.narrow(2, length, n).copy_(key_states)  # type: ignore[union-attr]
         self.values.narrow(2, length, n).copy_(value_states)  # type: ignore[union-attr]
         self._set_length(length + n)
         return self.keys, self.values  # type: ignore[return-value]
 
+    def _update_rows(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's new tokens after its own length (a ragged layer): one scatter per tensor."""
+        assert self.keys is not None and self.values is not None and self._rows is not None
+        batch, n, device = key_states.shape[0], key_states.shape[2], self.keys.device
+        if max(self._rows) + n > self.max_cache_len:
+            raise CacheOverflowError(
+                f"{type(self).__name__}: a row of {max(self._rows)} + {n} token(s) exceeds "
+                f"max_cache_len={self.max_cache_len}"
+            )
+        positions = torch.tensor(self._rows, device=device)[:, None] + torch.arange(n, device=device)
+        rows = torch.arange(batch, device=device)[:, None].expand(batch, n)
+        self.keys[rows, :, positions] = key_states.transpose(1, 2)
+        self.values[rows, :, positions] = value_states.transpose(1, 2)
+        self._rows = [r + n for r in self._rows]
+        self._set_length(max(self._rows))
+        return self.keys, self.values
+
+    def row_lengths(self) -> list[int]:
+        return list(self._rows) if self._rows is not None else super().row_lengths()
+
+    def row_rollback(self) -> list[int]:
+        return self.row_lengths()
+
+    @property
+    def is_ragged(self) -> bool:
+        return self._rows is not None
+
+    def _remove_rows(self, counts: list[int]) -> None:
+        rows = [r - c for r, c in zip(self.row_lengths(), counts, strict=True)]
+        self._rows = None if len(set(rows)) <= 1 else rows
+        self._set_length(max(rows))
+
     def _update_compiled(
         self, key_states: torch.Tensor, value_states: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The traced write: positions from the device-side length, nothing read from the host."""
+        if self._rows is not None:
+            raise CacheInputError(f"{type(self).__name__}: ragged rows (after a per-row crop) take eager updates only")
         if self.keys is None:
             self.lazy_initialization(key_states, value_states)
         assert self.keys is not None and self.values is not None
@@ -172,6 +212,16 @@ class StaticLayer(FixedKVLayer):
 
     def _remove_last(self, n: int) -> None:
         self._set_length(self._length - n)
+        if self._rows is not None:
+            self._rows = [r - n for r in self._rows]
+
+    def _index_batch(self, index: torch.Tensor) -> None:
+        super()._index_batch(index)
+        if self._rows is not None:
+            rows = [self._rows[i] for i in index.tolist()]
+            self._rows = None if len(set(rows)) <= 1 else rows
+            if rows and self._rows is None:
+                self._set_length(rows[0])
 
     def _commit(self) -> None:
         pass  # nothing beyond the working set is ever kept
@@ -179,6 +229,7 @@ class StaticLayer(FixedKVLayer):
     def reset(self) -> None:
         self._zero()
         self._set_length(0)
+        self._rows = None
 
     @property
     def state(self) -> dict[str, torch.Tensor]:
@@ -188,7 +239,10 @@ class StaticLayer(FixedKVLayer):
 
     @property
     def meta_state(self) -> dict[str, Any]:
-        return {"max_cache_len": self.max_cache_len, "seq_length": self._length, "record_past": self._recording}
+        meta = {"max_cache_len": self.max_cache_len, "seq_length": self._length, "record_past": self._recording}
+        if self._rows is not None:
+            meta["row_lengths"] = list(self._rows)
+        return meta
 
     @classmethod
     def planned_nbytes(cls, meta_state: dict[str, Any], state: dict[str, torch.Tensor]) -> int:
@@ -216,5 +270,8 @@ class StaticLayer(FixedKVLayer):
         elif length:
             raise CacheInputError(f"{name}: {length} token(s) announced but no keys/values given")
         layer._set_length(length)
+        lengths = check_row_lengths(meta_state.get("row_lengths"), layer.batch_size, length, name)
+        if lengths is not None:
+            layer._rows = None if len(set(lengths)) <= 1 else list(lengths)
         layer._recording = bool(meta_state.get("record_past", False))
         return layer

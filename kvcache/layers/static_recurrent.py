@@ -228,6 +228,8 @@ class StaticRecurrentLayer(CacheLayer):
 
     def check_crop(self, tokens_to_remove: int) -> None:
         super().check_crop(tokens_to_remove)
+        if not isinstance(tokens_to_remove, int):
+            return  # per-row counts: `_check_rows` checked them (uniform ones came back here)
         n, ring = -tokens_to_remove, self.rollback_tokens
         for state_idx, slot in enumerate(self._slots):
             if n and slot.started and not self._restorable(slot, slot.seen - n, ring):

@@ -11,7 +11,16 @@ from torch import nn
 
 from ..cache import Cache, DynamicCache, StaticCache
 from ..layers.static_sliding import DEFAULT_ROLLBACK_TOKENS
-from .modules import MLP, RMSNorm, SelfAttention, check_inputs, check_layer_types, default_position_ids, init_weights
+from .modules import (
+    MLP,
+    RMSNorm,
+    SelfAttention,
+    check_inputs,
+    check_layer_types,
+    default_position_ids,
+    init_weights,
+    past_lengths,
+)
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 
@@ -113,9 +122,10 @@ class DecoderLM(nn.Module):
         past_length = cache.get_seq_length() if cache is not None else 0
         check_inputs(input_ids, self.vocab_size, attention_mask, position_ids, past_length)
         batch, length = input_ids.shape
+        rows_past = past_lengths(cache, input_ids.device)  # per row once a per-row crop left them ragged
         if position_ids is None:
-            position_ids = default_position_ids(batch, length, past_length, attention_mask, input_ids.device)
+            position_ids = default_position_ids(batch, length, rows_past, attention_mask, input_ids.device)
         x = self.embed(input_ids)
         for block in self.layers:
-            x = block(x, position_ids, cache=cache, past_length=past_length, attention_mask=attention_mask)
+            x = block(x, position_ids, cache=cache, past_length=rows_past, attention_mask=attention_mask)
         return self.lm_head(self.norm(x))

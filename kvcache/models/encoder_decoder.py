@@ -27,6 +27,7 @@ from .modules import (
     check_layer_types,
     default_position_ids,
     init_weights,
+    past_lengths,
 )
 
 
@@ -129,7 +130,7 @@ class DecoderBlock(nn.Module):
         encoder_hidden_states: torch.Tensor,
         *,
         cache: Any,
-        past_length: int,
+        past_length: int | torch.Tensor,
         attention_mask: torch.Tensor | None,
         encoder_attention_mask: torch.Tensor | None,
     ) -> torch.Tensor:
@@ -216,8 +217,9 @@ class EncoderDecoderLM(nn.Module):
                 f"encoder_attention_mask must be [batch, src_len] = {list(encoder_hidden_states.shape[:2])}, "
                 f"got {list(encoder_attention_mask.shape)}"
             )
+        rows_past = past_lengths(cache, input_ids.device)  # per row once a per-row crop left them ragged
         if position_ids is None:
-            position_ids = default_position_ids(batch, length, past_length, attention_mask, input_ids.device)
+            position_ids = default_position_ids(batch, length, rows_past, attention_mask, input_ids.device)
         x = self.embed(input_ids)
         for block in self.decoder_layers:
             x = block(
@@ -225,7 +227,7 @@ class EncoderDecoderLM(nn.Module):
                 position_ids,
                 encoder_hidden_states,
                 cache=cache,
-                past_length=past_length,
+                past_length=rows_past,
                 attention_mask=attention_mask,
                 encoder_attention_mask=encoder_attention_mask,
             )

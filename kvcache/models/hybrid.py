@@ -165,7 +165,7 @@ class HybridBlock(nn.Module):
         position_ids: torch.Tensor,
         *,
         cache: Cache | None,
-        past_length: int,
+        past_length: int | torch.Tensor,
         attention_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         h = self.norm(x)

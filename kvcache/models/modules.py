@@ -110,21 +110,40 @@ def check_inputs(
         )
 
 
+def past_lengths(cache: Any, device: torch.device) -> int | torch.Tensor:
+    """What every row of a batch holds in `cache`: one int, or an int64 `[batch]` tensor on `device`
+    once a per-row crop left rows of different lengths (each row's queries then follow its own
+    tokens; `attention_bias` takes either)."""
+    if cache is None:
+        return 0
+    if getattr(cache, "is_ragged", False):
+        return cache.get_seq_lengths().to(device)
+    return cache.get_seq_length()
+
+
 def default_position_ids(
-    batch: int, length: int, past_length: int, attention_mask: torch.Tensor | None, device: torch.device
-) -> torch.Tensor:
+    batch: int, length: int, past_length: int | torch.Tensor, attention_mask: torch.Tensor | None,
+    device: torch.device,
+) -> torch.Tensor:  # fmt: skip
     """Positions of the new tokens: from the padding mask when given (pads do not count), else
-    continuing from `past_length`."""
-    if attention_mask is not None:
+    continuing from `past_length` (per row, when it is a tensor)."""
+    per_row = isinstance(past_length, torch.Tensor) and past_length.dim() == 1
+    if attention_mask is not None and not per_row:
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         return positions[:, -length:]
+    if per_row:
+        start = past_length[:, None]
+        if attention_mask is not None:  # left padding: pads before each row's end do not count
+            columns = torch.arange(attention_mask.shape[1], device=device)
+            start = start - ((columns[None, :] < start) & ~attention_mask.bool()).sum(-1, keepdim=True)
+        return start + torch.arange(length, device=device)
     return (past_length + torch.arange(length, device=device)).expand(batch, length)
 
 
 def attention_bias(
     *,
     query_length: int,
-    past_length: int,
+    past_length: int | torch.Tensor,
     kv_length: int,
     kv_offset: int,
     sliding_window: int | None,
@@ -136,19 +155,22 @@ def attention_bias(
     """Additive mask `[batch or 1, 1, query_length, kv_length]`: 0 where a query may attend, the
     dtype's minimum elsewhere.
 
-    Query `i` sits at absolute position `past_length + i`, key `j` at `kv_offset + j`; a key is
-    visible when it is not in the future (for a `causal` mask), within the window for a sliding
-    layer, and not padding (`attention_mask[:, kv_offset + j]`). Keys past the mask's end (a static cache's unwritten
-    slots) are future keys and stay hidden.
+    Query `i` sits at absolute position `past_length + i` (of its own row, when `past_length` is a
+    `[batch]` tensor: rows of a ragged cache), key `j` at `kv_offset + j`; a key is visible when it
+    is not in the future (for a `causal` mask), within the window for a sliding layer, and not
+    padding (`attention_mask[:, kv_offset + j]`). Keys past the mask's end (a static cache's
+    unwritten slots, a shorter row's stale slots) are future keys and stay hidden.
     """
-    q_pos = past_length + torch.arange(query_length, device=device)
+    per_row = isinstance(past_length, torch.Tensor) and past_length.dim() == 1  # 0-dim: a compiled static length
+    start = past_length[:, None] if per_row else past_length
+    q_pos = start + torch.arange(query_length, device=device)[None, :]  # [batch or 1, q]
     k_pos = kv_offset + torch.arange(kv_length, device=device)
-    allowed = k_pos[None, :] <= q_pos[:, None]
+    allowed = k_pos[None, None, :] <= q_pos[:, :, None]
     if not causal:
         allowed = torch.ones_like(allowed)
     if sliding_window is not None:
-        allowed &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
-    allowed = allowed[None, None]
+        allowed &= (q_pos[:, :, None] - k_pos[None, None, :]) < sliding_window
+    allowed = allowed[:, None]
     if attention_mask is not None:
         columns = k_pos.clamp(max=attention_mask.shape[1] - 1)
         allowed = allowed & attention_mask.bool()[:, columns][:, None, None, :]
@@ -163,7 +185,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
     scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1]) + bias
-    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+    # at least float32, never less precise than the model: a float64 model's mask value (its
+    # dtype's minimum) would round to -inf in float32, and a query that sees no key at all (a pad
+    # position) would turn NaN and poison the keys the next layer caches for it
+    return torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(q.dtype) @ v
 
 
 class SelfAttention(nn.Module):
@@ -208,7 +233,7 @@ class SelfAttention(nn.Module):
         position_ids: torch.Tensor,
         *,
         cache: Cache | None,
-        past_length: int,
+        past_length: int | torch.Tensor,
         attention_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         batch, length, _ = x.shape

@@ -1,0 +1,380 @@
+"""Speculative decoding of a batch: every row drafts, is verified and rolled back by its own count.
+
+All rows go through one target forward per step. A row with fewer draft tokens than the longest
+is padded with filler tokens (it proposes them, they are never accepted), so the forward has one
+length; after verification the cache drops, per row, exactly what that row did not keep
+(`Cache.crop` with one count per row), and rows then hold different numbers of tokens. The
+attention of every row sees exactly its own tokens: positions come from each row's own count and
+the models mask each row's queries by its own length (`get_seq_lengths`).
+
+Recurrent layers can only land inside a forward on the states the model handed over for each
+token, so a target (or draft model) with recurrent layers needs `set_return_intermediate_states`.
+Finished rows (eos, `max_new_tokens`) leave the batch (`batch_select_indices`), so the rest never
+computes for them.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import GenerationError
+from .drafters import Draft, Drafter, ModelDrafter
+from .inputs import check_mask, check_token_list
+
+
+@dataclass
+class BatchSpeculativeOutput:
+    """What batched `speculative_generate` produced, per row.
+
+    `sequences` `[batch, prompt + longest output]`: the (left-padded) prompt, then each row's new
+    tokens, then `pad_token_id` once the row stopped. `new_tokens[b]` are row b's new tokens.
+    Per row and verification step: `proposed_per_step[b]` draft tokens proposed (fillers not
+    counted), `accepted_per_step[b]` of them accepted, `emitted_per_step[b]` tokens appended.
+    `target_forwards` / `draft_forwards` count batched model calls. No cache is returned: rows
+    leave the batch as they finish.
+    """
+
+    sequences: torch.Tensor
+    new_tokens: list[list[int]]
+    target_forwards: int
+    draft_forwards: int
+    proposed_per_step: list[list[int]] = field(default_factory=list)
+    accepted_per_step: list[list[int]] = field(default_factory=list)
+    emitted_per_step: list[list[int]] = field(default_factory=list)
+
+    @property
+    def num_new_tokens(self) -> list[int]:
+        return [len(t) for t in self.new_tokens]
+
+    @property
+    def acceptance_rates(self) -> list[float]:
+        """Per row: accepted / proposed draft tokens (0.0 when nothing was proposed)."""
+        return [sum(a) / sum(p) if sum(p) else 0.0 for a, p in zip(self.accepted_per_step, self.proposed_per_step,
+                                                                     strict=True)]  # fmt: skip
+
+    @property
+    def acceptance_rate(self) -> float:
+        proposed = sum(map(sum, self.proposed_per_step))
+        return sum(map(sum, self.accepted_per_step)) / proposed if proposed else 0.0
+
+    @property
+    def tokens_per_target_forward(self) -> float:
+        return sum(self.num_new_tokens) / self.target_forwards if self.target_forwards else 0.0
+
+
+class BatchRunner:
+    """A model and its cache decoding rows that hold different numbers of tokens.
+
+    `held[i]` is how many real tokens row i's cache holds (its next position); `pads[i]` the left
+    padding in front of them (slots the prefill wrote and the mask hides). `feed` takes one token
+    list per row; shorter lists are padded with filler tokens, which the caller then drops with
+    `keep`.
+    """
+
+    def __init__(self, model: Any, *, device: torch.device, encoder: dict[str, Any] | None = None) -> None:
+        self.model = model
+        self.device = device
+        self.cache = model.new_cache()
+        self.encoder = dict(encoder or {})  # encoder_hidden_states / encoder_attention_mask, per row
+        self.pads: list[int] = []
+        self.held: list[int] = []
+        self.forwards = 0
+
+    def _call(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        with torch.no_grad():
+            logits = self.model(input_ids, cache=self.cache, attention_mask=mask, position_ids=position_ids,
+                                **self.encoder)  # fmt: skip
+        self.forwards += 1
+        return logits
+
+    def _mask(self, new: int) -> torch.Tensor | None:
+        """Left padding over every slot the next forward's keys span; None without padding."""
+        if not any(self.pads):
+            return None
+        span = self.cache.get_seq_length() + new
+        pads = torch.tensor(self.pads, device=self.device)[:, None]
+        return (torch.arange(span, device=self.device)[None, :] >= pads).long()
+
+    def prefill(self, rows: list[list[int]]) -> None:
+        """Feed every row's tokens but its last, left-padded to one length, then record."""
+        longest = max(len(r) for r in rows) - 1
+        self.pads = [longest - (len(r) - 1) for r in rows]
+        self.held = [len(r) - 1 for r in rows]
+        if longest > 0:
+            ids = torch.tensor([[0] * p + r[:-1] for p, r in zip(self.pads, rows, strict=True)], device=self.device)
+            columns = torch.arange(longest, device=self.device)[None, :]
+            pads = torch.tensor(self.pads, device=self.device)[:, None]
+            mask = (columns >= pads).long() if any(self.pads) else None
+            self._call(ids, (columns - pads).clamp(min=0), mask)
+        self.cache.activate_past_recording()
+        self.forwards = 0  # count decoding forwards only
+
+    def feed(self, rows: list[list[int]], filler: list[int]) -> torch.Tensor:
+        """Run one forward on each row's tokens (shorter rows padded with their `filler` token);
+        return the logits `[batch, longest, vocab]`. Every fed token, filler included, is held."""
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([r + [f] * (width - len(r)) for r, f in zip(rows, filler, strict=True)], device=self.device)
+        start = torch.tensor(self.held, device=self.device)[:, None]
+        mask = self._mask(width)
+        logits = self._call(ids, start + torch.arange(width, device=self.device), mask)
+        self.held = [h + width for h in self.held]
+        return logits
+
+    def keep(self, counts: list[int]) -> None:
+        """Keep `counts[i]` real tokens in row i (dropping the rest per row, exactly), and commit."""
+        drop = [h - c for h, c in zip(self.held, counts, strict=True)]
+        if any(drop):
+            self.cache.crop(torch.tensor([-d for d in drop]))
+        self.cache.crop(0)
+        self.held = list(counts)
+
+    def select(self, rows: list[int]) -> None:
+        """Keep only batch rows `rows` (finished rows leave)."""
+        index = torch.tensor(rows, dtype=torch.long)
+        self.cache.batch_select_indices(index)
+        self.pads = [self.pads[i] for i in rows]
+        self.held = [self.held[i] for i in rows]
+        for name, value in self.encoder.items():
+            if isinstance(value, torch.Tensor):
+                self.encoder[name] = value[index.to(value.device)]
+
+
+class _BatchModelDrafter:
+    """A draft model proposing for every row at once: one catch-up forward of the tokens each row's
+    draft cache lacks, then one single-token forward per further draft token."""
+
+    def __init__(self, drafter: ModelDrafter, device: torch.device, encoder: dict[str, Any] | None) -> None:
+        self.runner = BatchRunner(drafter.model, device=device, encoder=encoder)
+        self.tokens: list[list[int]] = []  # what each row's draft cache holds
+
+    def start(self, rows: list[list[int]]) -> None:
+        self.runner.prefill(rows)
+        self.tokens = [list(r[:-1]) for r in rows]
+
+    def propose(self, sequences: list[list[int]], budgets: list[int], pick: Callable) -> list[Draft]:
+        most = max(budgets)
+        if most == 0:
+            return [Draft([]) for _ in sequences]
+        missing = [s[len(t):] for s, t in zip(sequences, self.tokens, strict=True)]
+        logits = self.runner.feed(missing, [s[-1] for s in sequences])
+        last = torch.tensor([len(m) - 1 for m in missing], device=logits.device)
+        step_logits = logits[torch.arange(len(sequences), device=logits.device), last]
+        self.runner.keep([len(s) for s in sequences])  # drop the catch-up fillers
+        self.tokens = [list(s) for s in sequences]
+        tokens: list[list[int]] = [[] for _ in sequences]
+        probs: list[list[torch.Tensor | None]] = [[] for _ in sequences]
+        for i in range(most):
+            for b, row_logits in enumerate(step_logits):
+                token, q = pick(row_logits)
+                tokens[b].append(token)
+                probs[b].append(q)
+            if i + 1 < most:
+                step_logits = self.runner.feed([[t[-1]] for t in tokens], [0] * len(tokens))[:, -1]
+                for b, t in enumerate(tokens):
+                    self.tokens[b].append(t[-1])
+        drafts = []
+        for b, budget in enumerate(budgets):
+            row_probs = probs[b][:budget]
+            stacked = None if not row_probs or any(q is None for q in row_probs) else torch.stack(row_probs)
+            drafts.append(Draft(tokens[b][:budget], stacked))  # type: ignore[arg-type]
+        return drafts
+
+    def accept(self, sequences: list[list[int]]) -> None:
+        """Roll each row's draft cache back to the tokens the target kept."""
+        keep = []
+        for seq, held in zip(sequences, self.tokens, strict=True):
+            n = 0
+            limit = min(len(held), len(seq) - 1)
+            while n < limit and held[n] == seq[n]:
+                n += 1
+            keep.append(n)
+        self.runner.keep(keep)
+        self.tokens = [held[:n] for held, n in zip(self.tokens, keep, strict=True)]
+
+    def select(self, rows: list[int]) -> None:
+        self.runner.select(rows)
+        self.tokens = [self.tokens[i] for i in rows]
+
+
+def needs_row_states(runner: BatchRunner, who: str, row_states: bool) -> None:
+    """Refuse a model whose recurrent layers could not be cropped per row inside a forward."""
+    cache = getattr(runner.cache, "self_attention_cache", runner.cache)
+    if any(layer.has_recurrent for layer in cache) and not row_states:
+        raise GenerationError(
+            f"batched speculative decoding needs per-token recurrent states from the {who} "
+            f"({type(runner.model).__name__}: no set_return_intermediate_states, or intermediate_states=False): "
+            "rows accept different counts, and a recurrent layer can only land inside a forward on those states"
+        )
+
+
+def speculate_batch(
+    target: Any, drafter: Drafter, verifier: Any, input_ids: torch.Tensor, attention_mask: Any,
+    encoder_decoder: bool, num_draft_tokens: int, draft_schedule: str, max_new_tokens: int, eos: frozenset[int],
+    pad_token_id: Any, intermediate_states: bool | None, use_intermediate: Callable, single_only: tuple,
+) -> BatchSpeculativeOutput:  # fmt: skip
+    """`speculative_generate` on a batch: checks of what only batch size 1 takes, then `decode_batch`."""
+    from .speculative import _intermediate_states_switch
+
+    for given, name in zip(single_only, ("cache", "draft_cache", "prefix_store"), strict=True):
+        if given is not None:
+            raise GenerationError(f"{name}= is for batch size 1; this batch has {input_ids.shape[0]} row(s)")
+    pad = check_token_list("pad_token_id", pad_token_id, int(target.vocab_size)) or sorted(eos)[:1] or [0]
+    if len(pad) != 1:
+        raise GenerationError(f"pad_token_id must be one id, got {pad_token_id!r}")
+    draft_switch, draft_rows = None, False
+    if isinstance(drafter, ModelDrafter):
+        draft_switch = _intermediate_states_switch(drafter.model, None)
+        draft_rows = hasattr(drafter.model, "set_return_intermediate_states")
+    target_rows = intermediate_states is not False and hasattr(target, "set_return_intermediate_states")
+    return decode_batch(
+        target, drafter, verifier, input_ids, check_mask(attention_mask, input_ids), encoder_decoder=encoder_decoder,
+        num_draft_tokens=num_draft_tokens, adaptive=draft_schedule == "adaptive", max_new_tokens=max_new_tokens,
+        eos=eos, pad_token_id=pad[0], switch=use_intermediate, target_row_states=target_rows,
+        draft_switch=draft_switch, draft_row_states=draft_rows,
+    )  # fmt: skip
+
+
+def decode_batch(
+    target: Any,
+    drafter: Drafter,
+    verifier: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    encoder_decoder: bool,
+    num_draft_tokens: int,
+    adaptive: bool,
+    max_new_tokens: int,
+    eos: frozenset[int],
+    pad_token_id: int,
+    switch: Callable[[bool], Callable[[], None]],
+    target_row_states: bool,
+    draft_switch: Callable[[bool], Callable[[], None]] | None = None,
+    draft_row_states: bool = False,
+) -> BatchSpeculativeOutput:
+    """The batched draft / verify / per-row rollback loop (see the module docstring)."""
+    from .speculative import _checked, _DraftLength
+
+    device, batch = input_ids.device, input_ids.shape[0]
+    encoder: dict[str, Any] = {}
+    if encoder_decoder:
+        with torch.no_grad():
+            encoder = {"encoder_hidden_states": target.encode(input_ids, attention_mask),
+                       "encoder_attention_mask": attention_mask}  # fmt: skip
+        prompts = [[int(target.decoder_start_token_id)] for _ in range(batch)]
+    else:
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        prompts = [row[m.bool()].tolist() for row, m in zip(input_ids.cpu(), mask.cpu(), strict=True)]
+    runner = BatchRunner(target, device=device, encoder=encoder)
+    model_drafter = None
+    row_drafters: list[Drafter] = []
+    if isinstance(drafter, ModelDrafter):
+        draft_encoder = {}
+        if encoder_decoder:
+            with torch.no_grad():
+                draft_encoder = {"encoder_hidden_states": drafter.model.encode(input_ids, attention_mask),
+                                 "encoder_attention_mask": attention_mask}  # fmt: skip
+        model_drafter = _BatchModelDrafter(drafter, device, draft_encoder)
+    else:
+        row_drafters = [copy.deepcopy(drafter) for _ in range(batch)]
+        for b, d in enumerate(row_drafters):
+            if encoder_decoder:
+                row_mask = None if attention_mask is None else attention_mask[b : b + 1]
+                d.start(prompts[b], device=device, encoder_input_ids=input_ids[b : b + 1],
+                        encoder_attention_mask=row_mask)  # fmt: skip
+            else:
+                d.start(prompts[b], device=device)
+
+    restore = switch(True)
+    restore_draft = draft_switch(True) if draft_switch is not None else (lambda: None)
+    try:
+        runner.prefill(prompts)
+        needs_row_states(runner, "target", target_row_states)
+        if model_drafter is not None:
+            model_drafter.start(prompts)
+            needs_row_states(model_drafter.runner, "draft model", draft_row_states)
+        out = _loop(runner, model_drafter, row_drafters, verifier, prompts, num_draft_tokens, adaptive,
+                    max_new_tokens, eos, _checked, _DraftLength)  # fmt: skip
+    finally:
+        restore()
+        restore_draft()
+    prompt_width = input_ids.shape[1] if not encoder_decoder else 1
+    prefix = input_ids if not encoder_decoder else torch.tensor([p[:1] for p in prompts], device=device)
+    longest = max(len(t) for t in out.new_tokens)
+    tail = torch.full((batch, longest), pad_token_id, dtype=torch.long, device=device)
+    for b, tokens in enumerate(out.new_tokens):
+        tail[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+    out.sequences = torch.cat([prefix[:, :prompt_width], tail], dim=1)
+    if model_drafter is not None:
+        out.draft_forwards = model_drafter.runner.forwards
+    return out
+
+
+def _loop(
+    runner: BatchRunner,
+    model_drafter: _BatchModelDrafter | None,
+    row_drafters: list[Drafter],
+    verifier: Any,
+    prompts: list[list[int]],
+    num_draft_tokens: int,
+    adaptive: bool,
+    max_new_tokens: int,
+    eos: frozenset[int],
+    checked: Callable,
+    draft_length: Callable,
+) -> BatchSpeculativeOutput:
+    batch = len(prompts)
+    sequences = [list(p) for p in prompts]
+    new_tokens: list[list[int]] = [[] for _ in range(batch)]
+    out = BatchSpeculativeOutput(
+        torch.empty(0), new_tokens, 0, 0, [[] for _ in range(batch)], [[] for _ in range(batch)],
+        [[] for _ in range(batch)],
+    )  # fmt: skip
+    schedules = [draft_length(num_draft_tokens, adaptive=adaptive) for _ in range(batch)]
+    active = list(range(batch))  # original row numbers of the rows still in the batch
+    while active:
+        seqs = [sequences[r] for r in active]
+        budgets = [min(schedules[r].current, max_new_tokens - len(new_tokens[r]) - 1) for r in active]
+        if model_drafter is not None:
+            drafts = model_drafter.propose(seqs, budgets, verifier.pick)
+        else:
+            drafts = [row_drafters[r].propose(s, n, verifier.pick) if n > 0 else Draft([])
+                      for r, s, n in zip(active, seqs, budgets, strict=True)]  # fmt: skip
+        drafts = [checked(d, max(n, 0), runner.model.vocab_size) for d, n in zip(drafts, budgets, strict=True)]
+        logits = runner.feed([[s[-1], *d.tokens] for s, d in zip(seqs, drafts, strict=True)], [s[-1] for s in seqs])
+        keep, finished = [], []
+        for i, (r, draft) in enumerate(zip(active, drafts, strict=True)):
+            accepted, emitted = verifier.verify(draft, logits[i, : len(draft.tokens) + 1])
+            schedules[r].update(len(draft.tokens), accepted)
+            emitted = emitted[: max_new_tokens - len(new_tokens[r])]
+            hit = next((j for j, t in enumerate(emitted) if t in eos), None)
+            if hit is not None:
+                emitted = emitted[: hit + 1]
+            sequences[r].extend(emitted)
+            new_tokens[r].extend(emitted)
+            out.proposed_per_step[r].append(len(draft.tokens))
+            out.accepted_per_step[r].append(accepted)
+            out.emitted_per_step[r].append(len(emitted))
+            keep.append(runner.held[i] - logits.shape[1] + 1 + accepted)  # the fed last token and accepted drafts
+            if hit is not None or len(new_tokens[r]) >= max_new_tokens:
+                finished.append(i)
+        runner.keep(keep)
+        if model_drafter is not None:
+            model_drafter.accept([sequences[r] for r in active])
+        else:
+            for r in active:
+                row_drafters[r].accept(sequences[r])
+        if finished:
+            staying = [i for i in range(len(active)) if i not in finished]
+            active = [active[i] for i in staying]
+            if staying:
+                runner.select(staying)
+                if model_drafter is not None:
+                    model_drafter.select(staying)
+    out.target_forwards = runner.forwards
+    return out
