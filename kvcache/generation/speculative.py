@@ -107,6 +107,27 @@ class _Verifier:
         q = self.probs(logits[None])[0]
         return self.sample(q), q
 
+    def pick_rows(self, logits: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
+        """`pick` for each row of `logits` `[rows, vocab]`; greedy reads all rows' choices at once
+        (one host transfer for the batch)."""
+        if not self.do_sample:
+            return [(t, None) for t in self.sampling.scores(logits).argmax(-1).tolist()]
+        return [self.pick(row) for row in logits]
+
+    def verify_rows(self, drafts: list[Draft], logits: torch.Tensor) -> list[tuple[int, list[int]]]:
+        """`verify` for each batch row (`logits` `[rows, width, vocab]`, row i's first
+        `len(drafts[i]) + 1` positions its own); greedy reads every choice in one host transfer."""
+        if self.do_sample:
+            return [self.verify(d, logits[i, : len(d.tokens) + 1]) for i, d in enumerate(drafts)]
+        choices = self.sampling.scores(logits.flatten(0, 1)).argmax(-1).view(logits.shape[:2]).tolist()
+        out = []
+        for draft, choice in zip(drafts, choices, strict=True):
+            accepted = 0
+            while accepted < len(draft.tokens) and draft.tokens[accepted] == choice[accepted]:
+                accepted += 1
+            out.append((accepted, [*draft.tokens[:accepted], choice[accepted]]))
+        return out
+
     def verify(self, draft: Draft, target_logits: torch.Tensor) -> tuple[int, list[int]]:
         """Check `draft` against the target's logits for the pending token and every draft token
         (`[n + 1, vocab]`); return (number of draft tokens accepted, tokens to append)."""

@@ -156,7 +156,7 @@ class _BatchModelDrafter:
         self.runner.prefill(rows)
         self.tokens = [list(r[:-1]) for r in rows]
 
-    def propose(self, sequences: list[list[int]], budgets: list[int], pick: Callable) -> list[Draft]:
+    def propose(self, sequences: list[list[int]], budgets: list[int], verifier: Any) -> list[Draft]:
         most = max(budgets)
         if most == 0:
             return [Draft([]) for _ in sequences]
@@ -169,8 +169,7 @@ class _BatchModelDrafter:
         tokens: list[list[int]] = [[] for _ in sequences]
         probs: list[list[torch.Tensor | None]] = [[] for _ in sequences]
         for i in range(most):
-            for b, row_logits in enumerate(step_logits):
-                token, q = pick(row_logits)
+            for b, (token, q) in enumerate(verifier.pick_rows(step_logits)):
                 tokens[b].append(token)
                 probs[b].append(q)
             if i + 1 < most:
@@ -341,15 +340,15 @@ def _loop(
         seqs = [sequences[r] for r in active]
         budgets = [min(schedules[r].current, max_new_tokens - len(new_tokens[r]) - 1) for r in active]
         if model_drafter is not None:
-            drafts = model_drafter.propose(seqs, budgets, verifier.pick)
+            drafts = model_drafter.propose(seqs, budgets, verifier)
         else:
             drafts = [row_drafters[r].propose(s, n, verifier.pick) if n > 0 else Draft([])
                       for r, s, n in zip(active, seqs, budgets, strict=True)]  # fmt: skip
         drafts = [checked(d, max(n, 0), runner.model.vocab_size) for d, n in zip(drafts, budgets, strict=True)]
         logits = runner.feed([[s[-1], *d.tokens] for s, d in zip(seqs, drafts, strict=True)], [s[-1] for s in seqs])
         keep, finished = [], []
-        for i, (r, draft) in enumerate(zip(active, drafts, strict=True)):
-            accepted, emitted = verifier.verify(draft, logits[i, : len(draft.tokens) + 1])
+        verdicts = verifier.verify_rows(drafts, logits)
+        for i, (r, draft, (accepted, emitted)) in enumerate(zip(active, drafts, verdicts, strict=True)):
             schedules[r].update(len(draft.tokens), accepted)
             emitted = emitted[: max_new_tokens - len(new_tokens[r])]
             hit = next((j for j, t in enumerate(emitted) if t in eos), None)
