@@ -259,3 +259,16 @@ def test_sampling_rule_holds_per_row(kind, temperature):
         wrong = {s: p * runs for s, p in draft_dist.items()}
         worst_draft = max(worst_draft, _chi2(wrong, expected, runs)[0] / bound)
     assert worst_draft > 5
+
+
+def test_generate_refuses_a_ragged_cache(targets):
+    """`generate` positions every row from one length: a cache whose rows differ is an error."""
+    target = targets["full"]
+    ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    cache = target.new_cache()
+    with torch.no_grad():
+        target(ids[:, :5], cache=cache)
+    cache.crop(torch.tensor([0, -2]))
+    with pytest.raises(GenerationError, match="different numbers of tokens"):
+        generate(target, ids, cache=cache, max_new_tokens=2)
+    assert cache.get_seq_lengths().tolist() == [5, 3]

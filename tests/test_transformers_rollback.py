@@ -307,6 +307,8 @@ class _RowSteered:
         self.vocab_size = wrapped.vocab_size
         self.is_encoder_decoder = False
         self.new_cache = wrapped.new_cache
+        self.has_per_token_recurrence = wrapped.has_per_token_recurrence
+        self.set_per_token_recurrence = wrapped.set_per_token_recurrence
 
     def __call__(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         logits = self.wrapped(input_ids, **kwargs)
@@ -315,12 +317,13 @@ class _RowSteered:
         return torch.where(move, logits.roll(1, dims=-1), logits)
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama", "gemma3", "qwen3_next", "mamba2"])
 @pytest.mark.parametrize("batch", [2, 4])
 def test_batched_speculative_decoding_equals_transformers_batched_generate(kind: str, batch: int) -> None:
     """Left-padded rows of different lengths, k = 1, 3, 5: row for row the tokens of transformers'
     own batched greedy generate() (with its own cache), while rows accept different counts and the
-    kvcache cache is cropped per row (Gemma3: sliding and full layers get one mask each)."""
+    kvcache cache is cropped per row (Gemma3: sliding and full layers get one mask each; Qwen3-Next
+    and Mamba2, target and draft: their recurrent mixers run per token inside verify forwards)."""
     from kvcache.generation import ModelDrafter, speculative_generate
     from kvcache.integrations.transformers import wrap_model
 
@@ -342,13 +345,40 @@ def test_batched_speculative_decoding_equals_transformers_batched_generate(kind:
     assert ragged > 0
 
 
-@pytest.mark.parametrize("kind", ["qwen3_next", "mamba2"])
-def test_batched_speculation_refuses_recurrent_transformers_models(kind: str) -> None:
-    """Their kernels hand the cache no per-token states, so a row cannot be cropped inside a verify
-    forward: a clear error instead of a silently wrong batch (batch size 1 re-feeds instead)."""
-    from kvcache import GenerationError
+def test_per_token_recurrence_is_switched_off_again_and_refused_without_mixers() -> None:
+    """After a batched run the mixers run their own multi-token path again (no instance forward
+    left behind); a model without recurrent mixers has no such switch."""
+    from kvcache.errors import CacheInputError
     from kvcache.generation import PromptLookupDrafter, speculative_generate
+    from kvcache.integrations.hf_recurrence import recurrent_mixers
     from kvcache.integrations.transformers import wrap_model
 
-    with pytest.raises(GenerationError, match="per-token recurrent states"):
-        speculative_generate(wrap_model(tiny_model(kind)), PromptLookupDrafter(), prompt(), max_new_tokens=4)
+    wrapped = wrap_model(tiny_model("mamba2"))
+    speculative_generate(wrapped, PromptLookupDrafter(), prompt(), max_new_tokens=4)
+    mixers = recurrent_mixers(wrapped.model)
+    assert mixers and all("forward" not in vars(m) for m in mixers)
+    with pytest.raises(CacheInputError, match="no recurrent mixer"):
+        wrap_model(tiny_model("llama")).set_per_token_recurrence(True)
+
+
+def test_a_ragged_cache_inside_unwrapped_transformers_code_is_refused_not_masked_wrongly() -> None:
+    """transformers' own mask functions place every row's queries at one position; handed a cache
+    whose rows differ in length (a per-row crop), the adapter refuses to size those masks. Through
+    `wrap_model` the same forward gets per-row masks and matches a cache that never held the
+    cropped tokens."""
+    from kvcache.errors import CacheInputError
+    from kvcache.integrations.transformers import wrap_model
+
+    model, source = tiny_model("llama"), prompt(batch=2, length=8)
+    cache = cache_from_config(model.config)
+    with torch.no_grad():
+        model(source, cache=as_transformers_cache(cache), use_cache=True)
+        cache.crop(torch.tensor([0, -3]))
+        with pytest.raises(CacheInputError, match="different numbers of tokens"):
+            model(source[:, :1], cache=as_transformers_cache(cache), use_cache=True)
+        got = wrap_model(model)(source[:, :1], cache=cache, position_ids=torch.tensor([[8], [5]]))
+        for row, kept in ((0, 8), (1, 5)):
+            alone = cache_from_config(model.config)
+            model(source[row : row + 1, :kept], cache=as_transformers_cache(alone), use_cache=True)
+            want = model(source[row : row + 1, :1], cache=as_transformers_cache(alone), use_cache=True).logits
+            torch.testing.assert_close(got[row : row + 1], want, atol=1e-5, rtol=0)  # batched vs one row

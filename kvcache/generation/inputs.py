@@ -135,6 +135,13 @@ def check_cache(cache: Any, *, batch_size: int, encoder_decoder: bool, source_le
         raise GenerationError(f"cache is inconsistent: {err}") from err
     if held is not None and held != batch_size:
         raise CacheInputError(f"cache holds a batch of {held} but input_ids has {batch_size} row(s)")
+    if cache.is_ragged:
+        lengths = cache.get_seq_lengths().tolist()
+        raise GenerationError(
+            f"the cache's rows hold different numbers of tokens ({lengths}, after a per-row crop): generation "
+            "continues caches whose rows are alike; crop them to one length (or decode the batch with "
+            "speculative_generate)"
+        )
     if encoder_decoder:
         lengths = {layer.get_seq_length() for layer in cache.cross_attention_cache.layers} - {0}
         if lengths and lengths != {source_length}:

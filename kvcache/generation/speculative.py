@@ -198,8 +198,9 @@ def speculative_generate(
     number of draft tokens and stopping at its own eos or `max_new_tokens` (then `pad_token_id`,
     default the first eos id); it returns a `BatchSpeculativeOutput` with per-row statistics.
     Greedy batches return, row for row, what batched greedy `generate` returns. Recurrent layers
-    (target or draft model) need `set_return_intermediate_states` there; `cache`, `draft_cache`
-    and `prefix_store` are for batch size 1.
+    (target or draft model) must record every token's state there: `set_return_intermediate_states`
+    (reference models) or `set_per_token_recurrence` (wrapped transformers Mamba2 / Qwen3-Next);
+    `cache`, `draft_cache` and `prefix_store` are for batch size 1.
     `cache` / `draft_cache` continue existing caches of the target / the draft model (a loaded prompt
     cache, or the `cache` and `draft_cache` a previous call returned), as `generate` does: pass the
     whole sequence so far as `input_ids`; what a cache already holds is skipped. Decoder-only
@@ -225,7 +226,7 @@ def speculative_generate(
     if batched:
         return speculate_batch(target, drafter, verifier, input_ids, attention_mask, encoder_decoder,
                                num_draft_tokens, draft_schedule, max_new_tokens, eos, pad_token_id,
-                               intermediate_states, use_intermediate, (cache, draft_cache, prefix_store))  # fmt: skip
+                               intermediate_states, (cache, draft_cache, prefix_store))  # fmt: skip
     _check_given_caches(target, drafter, input_ids, cache, draft_cache, encoder_decoder)
     if prefix_store is not None:
         from ..store import prefill_for_generation

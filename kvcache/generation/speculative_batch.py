@@ -7,8 +7,9 @@ length; after verification the cache drops, per row, exactly what that row did n
 attention of every row sees exactly its own tokens: positions come from each row's own count and
 the models mask each row's queries by its own length (`get_seq_lengths`).
 
-Recurrent layers can only land inside a forward on the states the model handed over for each
-token, so a target (or draft model) with recurrent layers needs `set_return_intermediate_states`.
+Recurrent layers can only land inside a forward where every token's state was recorded, so a
+target (or draft model) with recurrent layers needs `set_return_intermediate_states` (its states
+handed over) or `set_per_token_recurrence` (transformers mixers run one token at a time).
 Finished rows (eos, `max_new_tokens`) leave the batch (`batch_select_indices`), so the rest never
 computes for them.
 """
@@ -206,7 +207,8 @@ def needs_row_states(runner: BatchRunner, who: str, row_states: bool) -> None:
     if any(layer.has_recurrent for layer in cache) and not row_states:
         raise GenerationError(
             f"batched speculative decoding needs per-token recurrent states from the {who} "
-            f"({type(runner.model).__name__}: no set_return_intermediate_states, or intermediate_states=False): "
+            f"({type(runner.model).__name__}: no set_return_intermediate_states or set_per_token_recurrence, or "
+            "intermediate_states=False): "
             "rows accept different counts, and a recurrent layer can only land inside a forward on those states"
         )
 
@@ -214,7 +216,7 @@ def needs_row_states(runner: BatchRunner, who: str, row_states: bool) -> None:
 def speculate_batch(
     target: Any, drafter: Drafter, verifier: Any, input_ids: torch.Tensor, attention_mask: Any,
     encoder_decoder: bool, num_draft_tokens: int, draft_schedule: str, max_new_tokens: int, eos: frozenset[int],
-    pad_token_id: Any, intermediate_states: bool | None, use_intermediate: Callable, single_only: tuple,
+    pad_token_id: Any, intermediate_states: bool | None, single_only: tuple,
 ) -> BatchSpeculativeOutput:  # fmt: skip
     """`speculative_generate` on a batch: checks of what only batch size 1 takes, then `decode_batch`."""
     from .speculative import _intermediate_states_switch
@@ -225,17 +227,32 @@ def speculate_batch(
     pad = check_token_list("pad_token_id", pad_token_id, int(target.vocab_size)) or sorted(eos)[:1] or [0]
     if len(pad) != 1:
         raise GenerationError(f"pad_token_id must be one id, got {pad_token_id!r}")
-    draft_switch, draft_rows = None, False
+    draft_rows, draft_switch = False, None
     if isinstance(drafter, ModelDrafter):
-        draft_switch = _intermediate_states_switch(drafter.model, None)
-        draft_rows = hasattr(drafter.model, "set_return_intermediate_states")
-    target_rows = intermediate_states is not False and hasattr(target, "set_return_intermediate_states")
+        draft_rows, draft_switch = _row_states(drafter.model, None, _intermediate_states_switch)
+    target_rows, switch = _row_states(target, intermediate_states, _intermediate_states_switch)
     return decode_batch(
         target, drafter, verifier, input_ids, check_mask(attention_mask, input_ids), encoder_decoder=encoder_decoder,
         num_draft_tokens=num_draft_tokens, adaptive=draft_schedule == "adaptive", max_new_tokens=max_new_tokens,
-        eos=eos, pad_token_id=pad[0], switch=use_intermediate, target_row_states=target_rows,
+        eos=eos, pad_token_id=pad[0], switch=switch, target_row_states=target_rows,
         draft_switch=draft_switch, draft_row_states=draft_rows,
     )  # fmt: skip
+
+
+def _row_states(model: Any, wanted: bool | None, states_switch: Callable) -> tuple[bool, Callable]:
+    """Whether `model` can record every token's recurrent state in a multi-token forward, and the
+    switch that turns it on (returning its undo): per-token states handed to the cache
+    (`set_return_intermediate_states`, the reference models), or per-token recurrence
+    (`set_per_token_recurrence`, wrapped transformers Mamba2 / Qwen3-Next). `wanted=False`: neither."""
+    if wanted is not False and hasattr(model, "set_return_intermediate_states"):
+        return True, states_switch(model, None)
+    if wanted is not False and getattr(model, "has_per_token_recurrence", False):
+        def switch(enabled: bool) -> Callable[[], None]:
+            model.set_per_token_recurrence(enabled)
+            return lambda: model.set_per_token_recurrence(False)
+
+        return True, switch
+    return False, lambda enabled: lambda: None
 
 
 def decode_batch(

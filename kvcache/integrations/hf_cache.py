@@ -77,6 +77,15 @@ class TransformersCache(HFCache):
         return self.cache.get_query_offset(layer_idx)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        if self.cache.is_ragged:
+            # transformers builds its masks from these sizes with one query position for every
+            # row, which is wrong once rows differ in length: refuse rather than mask wrongly
+            # (`TransformersCausalLM` passes per-row 4-D masks, so this is never asked then)
+            raise CacheInputError(
+                "the cache's rows hold different numbers of tokens (after a per-row crop); transformers' "
+                "masks would place every row's queries at one position. Call the model through "
+                "kvcache.integrations.transformers.wrap_model, which builds per-row masks"
+            )
         return self.cache.get_mask_sizes(query_length, layer_idx)
 
     def get_max_length(self, layer_idx: int | None = None) -> int:

@@ -13,6 +13,7 @@ from ..errors import CacheInputError
 from ..layers.recurrent import RecurrentLayer
 from .hf_cache import as_transformers_cache
 from .hf_config import cache_from_config
+from .hf_recurrence import MIXER_CLASSES, PerTokenRecurrence
 
 
 def _forward_params(model: PreTrainedModel) -> set[str]:
@@ -43,6 +44,20 @@ class TransformersCausalLM:
         params = _forward_params(model)
         self._takes_position_ids = "position_ids" in params
         self._mask_per_new_token = all(isinstance(layer, RecurrentLayer) for layer in self.new_cache().layers)
+        self._per_token = PerTokenRecurrence(model)
+
+    def set_per_token_recurrence(self, enabled: bool) -> None:
+        """Run the recurrent mixers (Mamba2, gated delta net) one token at a time inside multi-token
+        forwards, so every token's state is recorded and a cache can be cropped per row inside a
+        verify forward (batched speculative decoding switches this on, and off again after)."""
+        if not self._per_token:
+            raise CacheInputError(f"{type(self.model).__name__} has no recurrent mixer of {MIXER_CLASSES}")
+        self._per_token.set(bool(enabled))
+
+    @property
+    def has_per_token_recurrence(self) -> bool:
+        """Whether `set_per_token_recurrence` applies (the model has known recurrent mixers)."""
+        return bool(self._per_token)
 
     def new_cache(self) -> Cache:
         """A fresh cache of the kind this model's layers need (`cache_from_config(model.config)`)."""
@@ -86,19 +101,21 @@ def ragged_masks(
 
     text = config.get_text_config(decoder=True)
     types = list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
-    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention", "linear_attention"})
     if unknown:
         raise CacheInputError(f"rows of different lengths: no mask for layer types {unknown} ({type(config).__name__})")
     past = cache.get_seq_lengths().to(device)
     masks: dict[str, torch.Tensor] = {}
     for layer_idx, kind in enumerate(types):
-        if kind not in masks:
+        if kind == "linear_attention":  # padding only ever precedes the prompt: no mask for new tokens
+            masks.setdefault(kind, None)  # type: ignore[arg-type]
+        elif kind not in masks:
             kv_length, kv_offset = cache.get_mask_sizes(query_length, layer_idx)
             window = text.sliding_window if kind == "sliding_attention" else None
             masks[kind] = attention_bias(query_length=query_length, past_length=past, kv_length=kv_length,
                                          kv_offset=kv_offset, sliding_window=window, attention_mask=attention_mask,
                                          dtype=dtype, device=device)  # fmt: skip
-    return masks if len(masks) > 1 else next(iter(masks.values()))
+    return masks if len(masks) > 1 else next(iter(masks.values()))  # type: ignore[return-value]
 
 
 class TransformersEncoderDecoderLM:
