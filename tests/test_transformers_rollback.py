@@ -298,12 +298,12 @@ def _held(layer: Any) -> int:
 
 # -------------------------------------------------------------- batched speculative decoding
 class _RowSteered:
-    """A wrapped transformers model as a draft that disagrees with the target where position plus
-    batch row is a multiple of 3 (its greedy choice moves to the next token id), so rows of one
-    batch accept different numbers of draft tokens in the same step."""
+    """A wrapped transformers model as a draft: "always" agrees with the target, "never" moves its
+    greedy choice to the next token id everywhere, "sometimes" where position plus batch row is a
+    multiple of 3, so rows of one batch accept different numbers of draft tokens in one step."""
 
-    def __init__(self, wrapped: Any) -> None:
-        self.wrapped = wrapped
+    def __init__(self, wrapped: Any, agree: str) -> None:
+        self.wrapped, self.agree = wrapped, agree
         self.vocab_size = wrapped.vocab_size
         self.is_encoder_decoder = False
         self.new_cache = wrapped.new_cache
@@ -312,18 +312,23 @@ class _RowSteered:
 
     def __call__(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         logits = self.wrapped(input_ids, **kwargs)
+        if self.agree == "always":
+            return logits
         rows = torch.arange(input_ids.shape[0])[:, None]
-        move = ((kwargs["position_ids"] + rows) % 3 == 0)[..., None]
+        move = ((kwargs["position_ids"] + rows) % 3 == 0)[..., None] | (self.agree == "never")
         return torch.where(move, logits.roll(1, dims=-1), logits)
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3", "qwen3_next", "mamba2"])
-@pytest.mark.parametrize("batch", [2, 4])
+@pytest.mark.parametrize("batch", [2, 4, 8])
 def test_batched_speculative_decoding_equals_transformers_batched_generate(kind: str, batch: int) -> None:
-    """Left-padded rows of different lengths, k = 1, 3, 5: row for row the tokens of transformers'
-    own batched greedy generate() (with its own cache), while rows accept different counts and the
-    kvcache cache is cropped per row (Gemma3: sliding and full layers get one mask each; Qwen3-Next
-    and Mamba2, target and draft: their recurrent mixers run per token inside verify forwards)."""
+    """Left-padded rows of different lengths, k = 1, 3, 5, drafts that agree always, never and
+    sometimes: row for row the tokens of transformers' own batched greedy generate() (with its own
+    cache), while rows accept different counts and the kvcache cache is cropped per row (Gemma3:
+    sliding and full layers get one mask each; Qwen3-Next and Mamba2, target and draft: their
+    recurrent mixers run per token inside verify forwards). Each row's tokens also equal
+    transformers' generate() of that row alone: batched and single-row kernels round differently
+    (float32), but not by enough to change a greedy choice of these models."""
     from kvcache.generation import ModelDrafter, speculative_generate
     from kvcache.integrations.transformers import wrap_model
 
@@ -334,14 +339,20 @@ def test_batched_speculative_decoding_equals_transformers_batched_generate(kind:
         mask[b, : (3 * b) % 7] = 0  # rows 0..6 tokens shorter, left-padded
     source = source.masked_fill(mask == 0, 0)
     expected = model.generate(source, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    for b in range(batch):
+        alone = model.generate(source[b : b + 1, mask[b].bool()], max_new_tokens=12, do_sample=False)
+        assert torch.equal(alone[0, -12:], expected[b, -12:]), f"row {b}"
     wrapped = wrap_model(model)
     ragged = 0
-    for k in (1, 3, 5):
-        out = speculative_generate(wrapped, ModelDrafter(_RowSteered(wrapped)), source, attention_mask=mask,
-                                   num_draft_tokens=k, max_new_tokens=12)  # fmt: skip
-        assert torch.equal(out.sequences, expected), f"k={k}"
-        steps = min(len(a) for a in out.accepted_per_step)
-        ragged += sum(len({a[s] for a in out.accepted_per_step}) > 1 for s in range(steps))
+    for agree in ("always", "never", "sometimes"):
+        for k in (1, 3, 5):
+            out = speculative_generate(wrapped, ModelDrafter(_RowSteered(wrapped, agree)), source,
+                                       attention_mask=mask, num_draft_tokens=k, max_new_tokens=12)  # fmt: skip
+            assert torch.equal(out.sequences, expected), f"{agree}, k={k}"
+            rates = {"always": [1.0] * batch, "never": [0.0] * batch}
+            assert agree == "sometimes" or out.acceptance_rates == rates[agree]
+            steps = min(len(a) for a in out.accepted_per_step)
+            ragged += sum(len({a[s] for a in out.accepted_per_step}) > 1 for s in range(steps))
     assert ragged > 0
 
 
@@ -359,6 +370,10 @@ def test_per_token_recurrence_is_switched_off_again_and_refused_without_mixers()
     assert mixers and all("forward" not in vars(m) for m in mixers)
     with pytest.raises(CacheInputError, match="no recurrent mixer"):
         wrap_model(tiny_model("llama")).set_per_token_recurrence(True)
+    from kvcache import GenerationError  # a recurrent mixer of another class: refused, not cropped wrongly
+
+    with pytest.raises(GenerationError, match="per-token recurrent states from the target"):
+        speculative_generate(wrap_model(tiny_model("falcon_h1")), PromptLookupDrafter(), prompt(), max_new_tokens=4)
 
 
 def test_a_ragged_cache_inside_unwrapped_transformers_code_is_refused_not_masked_wrongly() -> None:
