@@ -17,7 +17,6 @@ Greedy, no eos, one thread, medians of rotating rounds.
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any
 
@@ -212,5 +211,4 @@ def batch_speculation_scenario(mode: str) -> Section:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
     run_as_script(batch_speculation_scenario, __doc__)

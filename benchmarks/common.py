@@ -257,11 +257,14 @@ def section_of(
 
 
 def run_as_script(scenario: Callable[[str], Section], doc: str | None) -> None:
-    """`python benchmarks/<scenario>.py [--quick]`: run one scenario on one thread and print it."""
+    """`python benchmarks/<scenario>.py [--quick]`: run one scenario on one thread and print it.
+    The repository root goes on `sys.path` first, for scenarios that import `benchmarks.*` lazily."""
     import argparse
+    import sys
 
     import torch
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()

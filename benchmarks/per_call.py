@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -149,5 +148,4 @@ def per_call_scenario(mode: str) -> Section:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
     run_as_script(per_call_scenario, __doc__)

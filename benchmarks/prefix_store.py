@@ -19,7 +19,6 @@ Chunks of 64 tokens, in-memory backend, one thread, medians of rotating rounds.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -163,5 +162,4 @@ def prefix_store_scenario(mode: str) -> Section:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
     run_as_script(prefix_store_scenario, __doc__)

@@ -21,7 +21,6 @@ must produce plain decoding's tokens ("same" column).
 from __future__ import annotations
 
 import random
-import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -285,5 +284,4 @@ def speculation_scenario(mode: str) -> Section:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
     run_as_script(speculation_scenario, __doc__)

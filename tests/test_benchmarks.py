@@ -133,6 +133,10 @@ def test_only_and_script_entry_point(tmp_path: Path) -> None:
         [sys.executable, "benchmarks/run.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert helped.returncode == 0 and "--quick" in helped.stdout
+    for script in ("batch_speculation", "per_call", "prefix_store", "stateful_speculation"):  # per-area entry points
+        shown = subprocess.run([sys.executable, f"benchmarks/{script}.py", "--help"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=120)  # fmt: skip
+        assert shown.returncode == 0 and "--quick" in shown.stdout, (script, shown.stderr[-2000:])
     bad = run_suite(tmp_path, "--only", "nonsense")
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
 
