@@ -37,6 +37,7 @@ def scenarios() -> dict[str, Callable[[str], Section]]:
     from benchmarks.prefix_store import prefix_store_scenario
     from benchmarks.scenarios_io import generation_scenario, persistence_scenario
     from benchmarks.scenarios_layers import append_scenario, memory_scenario, rollback_scenario
+    from benchmarks.startup import startup_scenario
     from benchmarks.stateful_speculation import speculation_scenario
 
     return {
@@ -50,6 +51,7 @@ def scenarios() -> dict[str, Callable[[str], Section]]:
         "per_call": per_call_scenario,
         "prefix_store": prefix_store_scenario,
         "batch_speculation": batch_speculation_scenario,
+        "startup": startup_scenario,
     }
 
 

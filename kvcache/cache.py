@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from typing_extensions import Self
 
-from .errors import CacheInputError, KVCacheError
+from .errors import CacheInputError, KVCacheError, RollbackError
 from .layer_types import build_layer, build_static_layer
 from .layers.base import CacheLayer, index_layers_batch
 from .layers.kv_buffer import check_kv_pair
@@ -219,7 +219,11 @@ class Cache:
     def check_crop(self, tokens_to_remove: int | torch.Tensor | list[int]) -> None:
         """Raise `RollbackError` unless every layer can `crop(tokens_to_remove)` exactly."""
         if row_crop_amounts(tokens_to_remove, self.batch_size) is None:  # also on a cache with no layers yet
-            crop_amount(tokens_to_remove)
+            n = crop_amount(tokens_to_remove)
+            if n and not any(layer.holds_tokens for layer in self.layers):
+                raise RollbackError(
+                    f"{type(self).__name__} cannot remove {n} token(s): it holds none (no layer holds tokens yet)"
+                )
         for layer in self.layers:
             layer.check_crop(tokens_to_remove)
 

@@ -4,7 +4,22 @@ from __future__ import annotations
 
 
 class KVCacheError(Exception):
-    """Base of every error `kvcache` raises on purpose."""
+    """Base of every error `kvcache` raises on purpose.
+
+    `param` names the argument that was wrong, when one was; the message then starts with that
+    name, so a front end (the command line) can say the name its user typed instead (`--top-p`
+    for `top_p`)."""
+
+    def __init__(self, *args: object, param: str | None = None) -> None:
+        super().__init__(*args)
+        self.param = param
+
+    def renamed(self, names: dict[str, str]) -> str:
+        """The message with the wrong argument's name replaced by `names[param]`, when known."""
+        message = str(self)
+        if self.param in names and message.startswith(self.param):
+            return names[self.param] + message[len(self.param) :]
+        return message
 
 
 class RollbackError(KVCacheError):

@@ -15,6 +15,7 @@ from kvcache import (
     CacheOverflowError,
     DynamicCache,
     DynamicLayer,
+    EmptyLayer,
     RollbackError,
     SlidingWindowLayer,
     StaticCache,
@@ -136,6 +137,25 @@ def test_crop_is_atomic_across_layer_kinds() -> None:
         with pytest.raises(RollbackError):
             cache.crop(bad)
         assert_unchanged(cache, before)
+
+
+@pytest.mark.parametrize(
+    "make_cache", [lambda: Cache([]), DynamicCache, lambda: Cache([EmptyLayer()]), lambda: StaticCache(8)],
+    ids=["no layers", "lazy, none built", "only an empty layer", "lazy static"],
+)
+def test_a_cache_holding_no_tokens_refuses_every_crop_but_a_commit(make_cache) -> None:
+    """`max_rollback` is 0 before anything was written: crop(-1), crop(-7) and crop(-10**18) raise
+    `RollbackError` and change nothing; crop(0) (a commit) and all-zero per-row counts are fine."""
+    cache = make_cache()
+    assert cache.max_rollback == 0
+    for n in (1, 7, 10**18):
+        with pytest.raises(RollbackError, match=f"cannot remove {n} token"):
+            cache.crop(-n)
+        with pytest.raises(RollbackError):
+            cache.check_crop(-n)
+    assert len(cache.layers) == len(make_cache().layers) and cache.get_seq_length() == 0
+    cache.crop(0)
+    cache.crop([0, 0])
 
 
 def test_crop_within_max_rollback_restores_every_layer() -> None:

@@ -171,9 +171,10 @@ def test_small_things_a_user_hits(stand_in_model, capsys, tmp_path: Path, monkey
     calls = []
     real_forward = Model.forward
     monkeypatch.setattr(Model, "forward", lambda self, *a, **k: calls.append(1) or real_forward(self, *a, **k))
-    for args, word in ((("--top-p", "1.5"), "top_p"), (("--top-k", "-2"), "top_k"), (("--temperature", "nan"), "temp")):
-        code, out, err = _cli(capsys, PROMPT, *args)
-        assert (code, out) == (2, "") and word in err and err.count("\n") == 1
+    for args in (("--top-p", "1.5"), ("--top-k", "-2"), ("--temperature", "nan")):
+        code, out, err = _cli(capsys, PROMPT, *args)  # errors name the flag the user typed, not the parameter
+        assert (code, out) == (2, "") and err.count("\n") == 1
+        assert err.startswith(f"kvcache generate: error: {args[0]} must")
     assert calls == []  # refused before the model ran (or was even loaded)
 
     monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPT))
@@ -208,3 +209,52 @@ def test_prefix_store_reuses_the_prompt_and_prints_the_same_text(stand_in_model,
     assert "chunks:        5" in report and "hits:          2 (hit rate 67%)" in report
     code, out, err = _cli(capsys, PROMPT, "--prefix-store", str(store), "--cache", str(tmp_path / "x"))
     assert (code, out) == (2, "") and "alternatives" in err
+
+
+def test_store_locations_a_user_gets_wrong_are_one_line_errors(stand_in_model, capsys, tmp_path: Path) -> None:
+    """A file given as a store directory, a URL of an unknown scheme (no directory named `http:` is
+    made), `kvcache store` on a path that does not exist (none is made), a budget of 0 named by its
+    flag; `--clear` says what it removed."""
+    afile = tmp_path / "sys.txt"
+    afile.write_text("not a directory")
+    cases = [
+        (("generate", PROMPT, "--prefix-store", str(afile)), "is a file, not a directory"),
+        (("generate", PROMPT, "--prefix-store", "http://host/0"), "unknown prefix store URL scheme 'http'"),
+        (("generate", PROMPT, "--prefix-store", "mem://"), "unknown prefix store URL scheme 'mem'"),
+        (("generate", PROMPT, "--prefix-store", str(tmp_path / "s"), "--prefix-store-bytes", "0"),
+         "--prefix-store-bytes must be a positive int"),
+        (("store", str(tmp_path / "missing")), "does not exist"),
+        (("store", "http://host/0"), "unknown prefix store URL scheme"),
+    ]
+    for argv, words in cases:
+        code = main(list(argv))
+        out, err = capsys.readouterr()
+        assert (code, out) == (2, ""), argv
+        assert err.count("\n") == 1 and words in err, (argv, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sys.txt", "weights"]
+    assert not Path("http:").exists() and not Path("mem:").exists()
+    store = tmp_path / "store"
+    assert _cli(capsys, LONGER, "--max-new-tokens", "2", "--prefix-store", str(store))[0] == 0
+    assert main(["store", str(store), "--clear"]) == 0
+    assert "cleared 5 chunk(s)" in capsys.readouterr().out
+    assert main(["store", str(store)]) == 0 and "chunks:        0" in capsys.readouterr().out
+
+
+def test_a_redis_password_is_never_printed(capsys) -> None:
+    """An unreachable Redis given with a password: one line on stderr, the password redacted."""
+    code = main(["store", "redis://:s3cret@127.0.0.1:1/0"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "s3cret" not in out + err and "***@127.0.0.1:1" in err and err.count("\n") == 1
+
+
+def test_a_long_prefill_shows_progress_when_stderr_is_not_a_terminal(stand_in_model, capsys, monkeypatch) -> None:
+    """Not a terminal: a plain progress line now and then (here every line, the period set to 0),
+    never on stdout; the text is the same as without it."""
+    from kvcache import progress
+
+    plain = _cli(capsys, LONGER * 3, "--max-new-tokens", "5", "--temperature", "0")
+    monkeypatch.setattr(progress, "LINE_EVERY_S", 0.0)
+    code, out, err = _cli(capsys, LONGER * 3, "--max-new-tokens", "5", "--temperature", "0")
+    lines = [line for line in err.splitlines() if line.startswith("prefill:")]
+    assert code == 0 and out == plain[1] and "prefill" not in out
+    assert len(lines) >= 10 and lines[-1].startswith(f"prefill: {(len(LONGER * 3) - 1) // 16 * 16:,}/")

@@ -151,6 +151,8 @@ def test_keyed_mac_gives_tamper_evidence(saved: Path, tmp_path: Path) -> None:
     load_cache(path)
     with pytest.raises(CacheFormatError, match="MAC"):
         load_cache(path, key=key)
+    with pytest.raises(CacheFormatError, match="MAC"):  # a key asks for tamper evidence: verify=False keeps it
+        load_cache(path, key=key, verify=False)
     for bad in (b"short", "a string key of enough length", 12345):
         with pytest.raises(CacheInputError, match="key"):
             save_cache(small_mixed_cache(), tmp_path / "x.safetensors", key=bad)  # type: ignore[arg-type]

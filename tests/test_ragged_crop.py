@@ -275,3 +275,34 @@ def test_encoder_decoder_cache_crops_the_self_attention_part_per_row():
     cache.crop(torch.tensor([-1, 0, -4, -2]))
     assert cache.get_seq_lengths().tolist() == [4, 5, 1, 3] and cache.is_ragged
     assert cross.get_seq_lengths().tolist() == [3] * BATCH
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_a_uniform_crop_reaches_only_as_far_as_the_shortest_row(kind):
+    """Rows of 8 and 2 tokens: `max_rollback` is 2 (a uniform crop takes n from every row), a crop of
+    4 is refused and changes nothing, a crop of 2 empties the short row."""
+    layer = make(kind)
+    layer.update(*token_keys(torch.arange(16, dtype=torch.float64).view(2, 8)))
+    layer.crop([0, -6])
+    assert layer.row_lengths() == [8, 2] and layer.max_rollback == 2
+    before = _snapshot(layer)
+    with pytest.raises(RollbackError, match="at most 2"):
+        layer.crop(-4)
+    _same(layer, before)
+    layer.crop(-2)
+    assert layer.row_lengths() == [6, 0]
+
+
+def test_a_cache_refuses_a_uniform_crop_past_its_shortest_row():
+    cache = DynamicCache()
+    tokens = torch.arange(16, dtype=torch.float64).view(2, 8)
+    cache.update(*token_keys(tokens), 0)
+    cache.update(*token_keys(tokens), 1)
+    cache.crop([0, -6])
+    assert cache.max_rollback == 2
+    before = [_snapshot(layer) for layer in cache]
+    with pytest.raises(RollbackError, match="rows hold"):
+        cache.crop(-4)
+    for layer, snap in zip(cache, before, strict=True):
+        _same(layer, snap)
+    cache.copy().batch_select_indices(torch.tensor([1, 0]))  # a consistent cache: every operation works

@@ -272,3 +272,32 @@ def test_generate_refuses_a_ragged_cache(targets):
     with pytest.raises(GenerationError, match="different numbers of tokens"):
         generate(target, ids, cache=cache, max_new_tokens=2)
     assert cache.get_seq_lengths().tolist() == [5, 3]
+
+
+def test_a_self_drafted_batch_leaves_the_model_as_it_found_it(targets, monkeypatch):
+    """`speculative_generate(model, model, batch)`: the target's and the draft's switches are undone
+    in reverse order, so `return_intermediate_states` ends as it began (False), after a normal run
+    and after an interruption (Ctrl-C) inside the loop; later plain runs take the normal path."""
+    from kvcache.generation import speculative_batch
+
+    model = targets["hybrid"]
+    flags = [m for m in model.modules() if hasattr(m, "return_intermediate_states")]
+    assert flags and not any(m.return_intermediate_states for m in flags)
+    ids, mask = padded_batch(2, 0, False)
+    speculative_generate(model, model, ids, attention_mask=mask, max_new_tokens=4)
+    assert not any(m.return_intermediate_states for m in flags)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(speculative_batch, "_loop", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        speculative_generate(model, model, ids, attention_mask=mask, max_new_tokens=4)
+    assert not any(m.return_intermediate_states for m in flags)
+    monkeypatch.undo()
+    cache = model.new_cache()  # a plain forward records one state per step, as before any speculation
+    cache.activate_past_recording()
+    with torch.no_grad():
+        model(ids[:1, :4], cache=cache)
+    assert not any(step.inter is not None for layer in cache for slot in getattr(
+        getattr(layer, "recurrent", layer), "_slots", []) for step in slot.steps)

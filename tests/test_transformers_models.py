@@ -371,6 +371,26 @@ def test_driver_greedy_equals_transformers_generate(kind: str) -> None:
         torch.testing.assert_close(torch.stack(out.scores), torch.stack(expected_scores), atol=ATOL, rtol=0)
 
 
+def test_driver_takes_eos_and_pad_from_the_generation_config() -> None:
+    """A tiny Llama whose generation_config names an eos (and a pad) token: transformers stops each row
+    there and pads after; `generate(wrap_model(model), ...)` does the same by default, and an explicit
+    `eos_token_id=[]` turns stopping off."""
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(_config("llama")).eval()
+    source = prompt()
+    free = model.generate(source, max_new_tokens=DECODE_STEPS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    eos = free[0, source.shape[1] + 3].item()  # row 0 emits it at step 3
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = eos, 1
+    expected = model.generate(source, max_new_tokens=DECODE_STEPS, do_sample=False)
+    assert (expected[0, source.shape[1] + 4 :] == 1).all()  # transformers pads row 0 after its eos
+    wrapped = wrap_model(model)
+    assert wrapped.eos_token_id == [eos] and wrapped.pad_token_id == 1
+    got = generate(wrapped, source, max_new_tokens=DECODE_STEPS)
+    assert torch.equal(got.sequences, expected)
+    unstopped = generate(wrapped, source, max_new_tokens=DECODE_STEPS, eos_token_id=[])
+    assert torch.equal(unstopped.sequences, free)
+
+
 @pytest.mark.parametrize("kind", ["llama", "gemma3", "mamba2", "qwen3_next"])
 def test_driver_left_padded_batch_equals_transformers_generate(kind: str) -> None:
     model = tiny_model(kind)

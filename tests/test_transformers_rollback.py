@@ -141,6 +141,53 @@ def test_deferred_stop_gives_the_immediate_result(kind: str) -> None:
     assert torch.equal(runs[False].sequences, expected)  # decoder tokens for an encoder-decoder, as transformers'
 
 
+class _HostEvent:
+    """What `torch.Event` does for transformers' deferred stop check on an asynchronous device, on
+    the CPU (which has no events): nothing to wait for."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("kind", STATEFUL)
+def test_transformers_own_deferred_stop_rolls_back_a_kvcache_cache(kind: str, monkeypatch: Any) -> None:
+    """transformers' `generate` with its deferred stop check (it runs on MPS; here forced on, with
+    host-side events) and a kvcache cache: at an early EOS its `finish()` crops the extra step. The
+    sequence and the cache equal the immediate stop check's, for every stateful kind (Falcon-H1's
+    parallel hybrid layers included: their mixer and attention are updated in one forward)."""
+    from transformers.generation import utils as generation_utils
+
+    model, source = tiny_model(kind), prompt()[:1]
+    free = model.generate(source, max_new_tokens=DECODE_STEPS, do_sample=False)[0, -DECODE_STEPS:].tolist()
+    eos = free[5]
+
+    def run(deferred: bool) -> tuple[torch.Tensor, Any]:
+        monkeypatch.setattr(generation_utils.DeferredStopCheck, "is_supported", staticmethod(lambda *a, **k: deferred))
+        cache = cache_from_config(model.config)
+        out = model.generate(source, max_new_tokens=DECODE_STEPS, do_sample=False, eos_token_id=eos,
+                             cache=as_transformers_cache(cache))  # fmt: skip
+        return out, cache
+
+    monkeypatch.setattr(torch, "Event", _HostEvent)
+    deferred, deferred_cache = run(True)
+    immediate, immediate_cache = run(False)
+    assert torch.equal(deferred, immediate) and deferred[0, -1] == eos
+    assert deferred.shape[1] < source.shape[1] + DECODE_STEPS
+    tensors = [{k: v for k, v in contents(c).items() if isinstance(v, torch.Tensor)} for c in (deferred_cache,
+                                                                                              immediate_cache)]
+    assert_same_contents(*tensors)  # (the deferred run's layers were committed once more: bookkeeping only)
+    more = [our_generate(model, deferred, cache=c, max_new_tokens=4, output_scores=True)
+            for c in (deferred_cache, immediate_cache)]  # fmt: skip
+    assert torch.equal(more[0].sequences, more[1].sequences)
+    assert all(torch.equal(a, b) for a, b in zip(more[0].scores, more[1].scores, strict=True))
+
+
 # -------------------------------------------------------------------------- persistence
 @pytest.mark.parametrize("kind", [*STATEFUL, "bart"])
 def test_saved_cache_continues_generation_identically(kind: str, tmp_path: Any) -> None:

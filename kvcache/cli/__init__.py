@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Sequence
 
 from ..errors import KVCacheError
@@ -31,17 +32,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def flag_names(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, str]:
+    """Library parameter name -> the flag that sets it: each option's `dest` (`top_p` -> `--top-p`),
+    plus what a subcommand declares for parameters its flags name otherwise (`flag_names`)."""
+    names: dict[str, str] = {}
+    for action in _subparser(parser, args)._actions:
+        long = [s for s in action.option_strings if s.startswith("--")]
+        if long:
+            names[action.dest] = long[0]
+    names.update(getattr(args, "flag_names", {}))
+    return names
+
+
+def _subparser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices.get(args.command, parser)
+    return parser
+
+
+def _one_line_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                      file: object = None, line: str | None = None) -> None:  # fmt: skip
+    """Warnings as the command line prints them: one line, no source location."""
+    print(f"kvcache: warning: {message}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; errors become one line on stderr and a non-zero status."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    shown = warnings.showwarning
+    warnings.showwarning = _one_line_warning
     try:
         return int(args.func(args) or 0)
     except KVCacheError as err:
-        print(f"kvcache {args.command}: error: {err}", file=sys.stderr)
+        print(f"kvcache {args.command}: error: {err.renamed(flag_names(parser, args))}", file=sys.stderr)
         return 2
     except (OSError, ValueError) as err:
         print(f"kvcache {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    finally:
+        warnings.showwarning = shown

@@ -11,14 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch and the loader are imported when the command runs, not for --help
+    from ..persistence import CacheFile
 
-from ..persistence import CacheFile, inspect_cache_file
-from ..persistence.writer import DTYPE_NAMES
-
-_ITEMSIZE = {name: torch.empty(0, dtype=dtype).element_size() for dtype, name in DTYPE_NAMES.items()}
 #: meta_state entries shown as columns rather than among the parameters.
 _COLUMNS = ("seq_length", "record_past")
 
@@ -32,6 +29,9 @@ def add_parser(subparsers: Any) -> None:
 
 def summarize(loaded: CacheFile, path: str) -> dict[str, Any]:
     """A JSON-able summary of a loaded cache file."""
+    from ..persistence.writer import DTYPE_NAMES
+
+    itemsize = {name: dtype.itemsize for dtype, name in DTYPE_NAMES.items()}
     desc = loaded.description
     if desc["class"] == "EncoderDecoderCache":
         names = ("self_attention_cache", "cross_attention_cache")
@@ -47,7 +47,7 @@ def summarize(loaded: CacheFile, path: str) -> dict[str, Any]:
             tensors = []
             for name in entry["tensors"]:
                 dtype, shape = loaded.specs[f"{prefix}layers.{i}.{name}"]
-                nbytes = math.prod(shape) * _ITEMSIZE[dtype]
+                nbytes = math.prod(shape) * itemsize[dtype]
                 tensors.append({"name": name, "dtype": dtype, "shape": shape, "bytes": nbytes})
                 total_bytes += nbytes
                 num_tensors += 1
@@ -129,6 +129,8 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..persistence import inspect_cache_file
+
     summary = summarize(inspect_cache_file(args.file), args.file)
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
     return 0

@@ -20,14 +20,17 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..store import open_store
 
-    store = open_store(args.where, strict=True)  # a report from a server that is down would be all zeros
+    store = open_store(args.where, strict=True, create=False)  # a report of a server that is down would be zeros
     if args.clear:
+        chunks, held = len(store), store.nbytes
         store.clear()
+        print(f"prefix store {store.location}: cleared {chunks} chunk(s), {held:,} bytes")
+        return 0
     infos = list(store.backend.infos())
     roots = sum(1 for info in infos if info.parent is None)
     counts = store.backend.counters()
     lookups, hits = counts.get("lookups", 0), counts.get("hits", 0)
-    print(f"prefix store {args.where}")
+    print(f"prefix store {store.location}")
     print(f"  chunks:        {len(infos)} ({roots} first chunk(s) of a prompt)")
     print(f"  bytes:         {store.nbytes:,}")
     print(f"  lookups:       {lookups}")

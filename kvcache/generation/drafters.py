@@ -245,3 +245,18 @@ class PromptLookupDrafter(Drafter):
             if found:
                 return Draft(found)
         return Draft([])
+
+
+def check_draft(draft: Draft, budget: int, vocab_size: int) -> Draft:
+    """Reject a drafter's output that does not fit (too many tokens, ids out of range, bad probs)."""
+    if not isinstance(draft, Draft):
+        raise GenerationError(f"a drafter must return a Draft, got {type(draft).__name__}")
+    if len(draft.tokens) > budget:
+        raise GenerationError(f"the drafter proposed {len(draft.tokens)} tokens, more than the {budget} asked for")
+    if any(not 0 <= t < vocab_size for t in draft.tokens):
+        raise GenerationError(f"the drafter proposed token ids outside [0, {vocab_size})")
+    if draft.probs is not None and tuple(draft.probs.shape) != (len(draft.tokens), vocab_size):
+        raise GenerationError(
+            f"draft probs have shape {tuple(draft.probs.shape)}, expected ({len(draft.tokens)}, {vocab_size})"
+        )
+    return draft

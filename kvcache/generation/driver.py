@@ -20,7 +20,7 @@ from ..cache import Cache
 from ..encoder_decoder import EncoderDecoderCache
 from ..errors import GenerationError
 from . import inputs
-from .recovery import StreamCounter, recover
+from .recovery import StreamCounter, recover, settle
 from .sampling import Sampling
 from .stop import DeferredStopCheck, StopCheck, is_async_device, self_attention_layers
 from .streamers import Streamer
@@ -65,7 +65,9 @@ def generate(
       are skipped. Encoder-decoder models take the source as `input_ids` and the decoder prefix as
       `decoder_input_ids` (default: the decoder start token).
     - A row stops at any of `eos_token_id`; it then produces `pad_token_id` (default: the first eos
-      id) until every row has stopped or `max_new_tokens` is reached.
+      id) until every row has stopped or `max_new_tokens` is reached. Left as None, both come from
+      the model when it has them (a wrapped transformers model: its `generation_config`, as in
+      transformers' `generate`); `eos_token_id=[]` means no end token at all.
     - `do_sample` draws with `temperature`, `top_k` (0 = off), `top_p` (1 = off) from `generator`.
     - `streamer.put(tokens[batch])` receives each kept step's tokens, then `streamer.end()`.
     - `defer_stop`: read the stop decision one step late so the host never waits for the device
@@ -84,6 +86,8 @@ def generate(
     input_ids = inputs.check_ids("input_ids", input_ids, vocab)
     attention_mask = inputs.check_mask(attention_mask, input_ids)
     batch, device = input_ids.shape[0], input_ids.device
+    eos_token_id = inputs.model_default(model, "eos_token_id", eos_token_id)
+    pad_token_id = inputs.model_default(model, "pad_token_id", pad_token_id)
     eos = inputs.check_token_list("eos_token_id", eos_token_id, vocab)
     pad = inputs.check_token_list("pad_token_id", pad_token_id, vocab) or eos[:1] or [0]
     if len(pad) != 1:
@@ -128,7 +132,7 @@ def generate(
         )
     layers = self_attention_layers(cache)
     if given_cache or defer_stop is True:  # a cache of the caller's, even an empty one, must fit the model
-        _probe_cache(model, cache, input_ids, tokens, encoder_decoder, need_rollback=defer_stop is True)
+        inputs.probe_cache(model, cache, input_ids, tokens, encoder_decoder, need_rollback=defer_stop is True)
     recording_on_entry = [layer.record_past for layer in layers]
 
     counter = None if streamer is None else StreamCounter(streamer)
@@ -169,7 +173,7 @@ def _run(
             if past < length - 1:
                 mask = None if full_mask is None else full_mask[:, : length - 1]
                 forward(tokens[:, past : length - 1], mask, positions[:, past : length - 1])
-            _settle(cache, recording_on_entry)
+            settle(cache, recording_on_entry)
             if streamer is not None:
                 streamer.end()
             return GenerationOutput(tokens, () if output_scores else None, cache)
@@ -184,7 +188,7 @@ def _run(
         )  # fmt: skip
     if streamer is not None:
         streamer.end()
-    _settle(cache, recording_on_entry)
+    settle(cache, recording_on_entry)
     return GenerationOutput(torch.cat([tokens, sequences], dim=1), scores, cache)
 
 
@@ -259,48 +263,6 @@ def _positions(
     return torch.cat([prompt, prompt[:, -1:] + 1 + steps[:max_new_tokens]], dim=1)
 
 
-def _probe_cache(
-    model: Any, cache: Cache, input_ids: torch.Tensor, tokens: torch.Tensor, encoder_decoder: bool, need_rollback: bool
-) -> None:
-    """Let the model write one token into a fresh cache and compare `cache` with it (layers,
-    parameters, heads, dtypes); with `need_rollback`, check that recording makes it croppable."""
-    probe = model.new_cache()
-    with torch.no_grad():
-        if encoder_decoder:
-            encoded = model.encode(input_ids[:1, :1])
-            model(tokens[:1, :1], cache=probe, encoder_hidden_states=encoded)
-        else:
-            model(tokens[:1, :1], cache=probe)
-    inputs.check_cache_shapes(cache, probe)
-    if need_rollback:
-        for layer in self_attention_layers(probe):
-            layer.activate_past_recording()
-        with torch.no_grad():  # a recorded decode step: a model that overwrites states in place shows here
-            if encoder_decoder:
-                model(tokens[:1, :1], cache=probe, encoder_hidden_states=encoded)
-            else:
-                model(tokens[:1, :1], cache=probe)
-        blockers = [type(layer).__name__ for layer in self_attention_layers(probe) if not layer.is_croppable]
-        given = self_attention_layers(cache)
-        blockers += [type(layer).__name__ for layer in given if not _croppable_when_recording(layer)]
-        if blockers:
-            raise GenerationError(
-                f"defer_stop=True needs a cache that can undo a step exactly, but {sorted(set(blockers))} cannot; "
-                "use defer_stop=None or False"
-            )
-
-
-def _croppable_when_recording(layer: Any) -> bool:
-    """Whether `layer` can undo a step once recording (asked of the layer itself, left as it was)."""
-    if layer.record_past:
-        return layer.is_croppable
-    layer.activate_past_recording()
-    try:
-        return layer.is_croppable
-    finally:
-        layer.record_past = False
-
-
 def _stop_check(
     cache: Cache,
     defer_stop: bool | None,
@@ -320,7 +282,7 @@ def _stop_check(
     if not all(layer.is_croppable for layer in layers):
         if defer_stop:
             raise GenerationError("defer_stop=True: the cache cannot undo a step exactly after the prefill")
-        _settle(cache, recording_on_entry)
+        settle(cache, recording_on_entry)
         return StopCheck(streamer)
     if not deferred:
         return StopCheck(streamer, cache=cache, commit=not any(recording_on_entry))
@@ -330,18 +292,6 @@ def _stop_check(
         batch, device, cache=cache, commit=not any(recording_on_entry),
         generator=generator if sampling.do_sample else None, streamer=streamer,
     )  # fmt: skip
-
-
-def _settle(cache: Cache, recording_on_entry: list[bool]) -> None:
-    """Leave the cache as both stop checks do: layers that were recording on entry keep their
-    history; all others are committed (`crop(0)`) and not recording."""
-    for i, layer in enumerate(self_attention_layers(cache)):
-        if i < len(recording_on_entry) and recording_on_entry[i]:
-            continue
-        if layer.record_past:
-            layer.record_past = False
-        else:
-            layer.crop(0)
 
 
 def _default_generator(device: torch.device) -> torch.Generator | None:

@@ -20,7 +20,7 @@ LAYER_PARAMETERS = ("sliding_window", "max_cache_len", "num_states", "conv_kerne
 
 def check_int(name: str, value: Any, *, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise GenerationError(f"{name} must be an int >= {minimum}, got {value!r}")
+        raise GenerationError(f"{name} must be an int >= {minimum}, got {value!r}", param=name)
     return value
 
 
@@ -86,18 +86,24 @@ def check_mask(mask: Any, input_ids: torch.Tensor) -> torch.Tensor | None:
 
 
 def check_token_list(name: str, value: Any, vocab_size: int) -> list[int]:
-    """One id or a sequence of ids, each in `[0, vocab_size)`; None gives []."""
+    """One id or a sequence of ids, each in `[0, vocab_size)`; None (or an empty list) gives []."""
     if value is None:
         return []
     items = [value] if isinstance(value, int) else value
     if isinstance(items, torch.Tensor):
         items = items.reshape(-1).tolist()
-    if not isinstance(items, Sequence) or not items:
-        raise GenerationError(f"{name} must be an int or a non-empty list of ints, got {value!r}")
+    if not isinstance(items, Sequence) or isinstance(items, (str, bytes)):
+        raise GenerationError(f"{name} must be an int or a list of ints, got {value!r}")
     for item in items:
         if isinstance(item, bool) or not isinstance(item, int) or not 0 <= item < vocab_size:
             raise GenerationError(f"{name} must hold ints in [0, {vocab_size}), got {value!r}")
     return list(items)
+
+
+def model_default(model: Any, name: str, given: Any) -> Any:
+    """`given`, else the model's own default for `name` (`eos_token_id`, `pad_token_id`: a wrapped
+    transformers model reads its `generation_config`, as transformers' `generate` does)."""
+    return getattr(model, name, None) if given is None else given
 
 
 def check_generator(generator: Any, device: torch.device) -> None:
@@ -193,3 +199,45 @@ def check_cache_shapes(cache: Cache, probe: Cache) -> None:
                     f"{mine_state[name].device} does not fit the model's {tuple(ref_state[name].shape)} "
                     f"{ref_state[name].dtype} on {ref_state[name].device} (another model's cache?)"
                 )
+
+
+def probe_cache(
+    model: Any, cache: Cache, input_ids: torch.Tensor, tokens: torch.Tensor, encoder_decoder: bool, need_rollback: bool
+) -> None:
+    """Let the model write one token into a fresh cache and compare `cache` with it (layers,
+    parameters, heads, dtypes); with `need_rollback`, check that recording makes it croppable."""
+    probe = model.new_cache()
+    with torch.no_grad():
+        if encoder_decoder:
+            encoded = model.encode(input_ids[:1, :1])
+            model(tokens[:1, :1], cache=probe, encoder_hidden_states=encoded)
+        else:
+            model(tokens[:1, :1], cache=probe)
+    check_cache_shapes(cache, probe)
+    if need_rollback:
+        for layer in self_attention_layers(probe):
+            layer.activate_past_recording()
+        with torch.no_grad():  # a recorded decode step: a model that overwrites states in place shows here
+            if encoder_decoder:
+                model(tokens[:1, :1], cache=probe, encoder_hidden_states=encoded)
+            else:
+                model(tokens[:1, :1], cache=probe)
+        blockers = [type(layer).__name__ for layer in self_attention_layers(probe) if not layer.is_croppable]
+        given = self_attention_layers(cache)
+        blockers += [type(layer).__name__ for layer in given if not _croppable_when_recording(layer)]
+        if blockers:
+            raise GenerationError(
+                f"defer_stop=True needs a cache that can undo a step exactly, but {sorted(set(blockers))} cannot; "
+                "use defer_stop=None or False"
+            )
+
+
+def _croppable_when_recording(layer: Any) -> bool:
+    """Whether `layer` can undo a step once recording (asked of the layer itself, left as it was)."""
+    if layer.record_past:
+        return layer.is_croppable
+    layer.activate_past_recording()
+    try:
+        return layer.is_croppable
+    finally:
+        layer.record_past = False

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..cache import Cache
 from ..errors import RollbackError
 from .stop import self_attention_layers
 from .streamers import Streamer
@@ -60,10 +61,20 @@ def _crop_to(layers: Sequence[Any], target: int) -> bool:
 def recover(cache: Any, targets: Sequence[int], recording_on_entry: list[bool]) -> None:
     """Bring `cache` to the first of `targets` (token counts) that every layer can reach exactly,
     else empty it; then commit and stop recording as `generate` always leaves it."""
-    from .driver import _settle
-
     layers = self_attention_layers(cache)
     if not any(_crop_to(layers, target) for target in targets):
         for layer in layers:
             layer.reset()
-    _settle(cache, recording_on_entry)
+    settle(cache, recording_on_entry)
+
+
+def settle(cache: Cache, recording_on_entry: list[bool]) -> None:
+    """Leave the cache as both stop checks do: layers that were recording on entry keep their
+    history; all others are committed (`crop(0)`) and not recording."""
+    for i, layer in enumerate(self_attention_layers(cache)):
+        if i < len(recording_on_entry) and recording_on_entry[i]:
+            continue
+        if layer.record_past:
+            layer.record_past = False
+        else:
+            layer.crop(0)

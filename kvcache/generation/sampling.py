@@ -23,17 +23,19 @@ class Sampling:
 
     def __post_init__(self) -> None:
         if not isinstance(self.do_sample, bool):
-            raise GenerationError(f"do_sample must be a bool, got {self.do_sample!r}")
+            raise GenerationError(f"do_sample must be a bool, got {self.do_sample!r}", param="do_sample")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
-            raise GenerationError(f"temperature must be a number, got {self.temperature!r}")
+            raise GenerationError(f"temperature must be a number, got {self.temperature!r}", param="temperature")
         if not math.isfinite(self.temperature):
-            raise GenerationError(f"temperature must be a finite number, got {self.temperature!r}")
+            raise GenerationError(f"temperature must be a finite number, got {self.temperature!r}", param="temperature")
         if self.do_sample and not self.temperature > 0:
-            raise GenerationError(f"temperature must be > 0 when sampling, got {self.temperature!r}")
+            raise GenerationError(
+                f"temperature must be > 0 when sampling, got {self.temperature!r}", param="temperature"
+            )
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise GenerationError(f"top_k must be an int >= 0 (0 = no top-k cut), got {self.top_k!r}")
+            raise GenerationError(f"top_k must be an int >= 0 (0 = no top-k cut), got {self.top_k!r}", param="top_k")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise GenerationError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise GenerationError(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
 
     def scores(self, logits: torch.Tensor) -> torch.Tensor:
         """Float32 scores `[batch, vocab]` of the next token (what `output_scores` returns)."""

@@ -21,7 +21,6 @@ different numbers of tokens and the caches are cropped per row.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,11 +28,23 @@ import torch
 
 from ..cache import Cache
 from ..errors import GenerationError
-from .drafters import Draft, Drafter, ModelDrafter
-from .inputs import check_generator, check_ids, check_int, check_mask, check_model, check_token_list
+from .draft_schedule import DraftLength
+from .drafters import Draft, Drafter, ModelDrafter, check_draft
+from .inputs import (
+    check_cache,
+    check_generator,
+    check_ids,
+    check_int,
+    check_mask,
+    check_model,
+    check_token_list,
+    model_default,
+    probe_cache,
+)
 from .sampling import Sampling
 from .speculative_batch import BatchSpeculativeOutput, speculate_batch
 from .speculative_runner import NO_ROLLBACK, REFEED, ModelRunner
+from .switches import intermediate_states_switch
 
 
 @dataclass
@@ -218,11 +229,13 @@ def speculative_generate(
     check_int("max_new_tokens", max_new_tokens, minimum=1)
     if draft_schedule not in ("adaptive", "constant"):
         raise GenerationError(f"draft_schedule must be 'adaptive' or 'constant', got {draft_schedule!r}")
+    eos_token_id = model_default(target, "eos_token_id", eos_token_id)
+    pad_token_id = model_default(target, "pad_token_id", pad_token_id)
     eos = frozenset(check_token_list("eos_token_id", eos_token_id, int(target.vocab_size)))
     device = input_ids.device
     check_generator(generator, device)
     verifier = _Verifier(Sampling(do_sample, temperature, top_k, top_p), generator)
-    use_intermediate = _intermediate_states_switch(target, intermediate_states)
+    use_intermediate = intermediate_states_switch(target, intermediate_states)
     if batched:
         return speculate_batch(target, drafter, verifier, input_ids, attention_mask, encoder_decoder,
                                num_draft_tokens, draft_schedule, max_new_tokens, eos, pad_token_id,
@@ -252,7 +265,7 @@ def speculative_generate(
     runner.prefill(sequence)
     restore = use_intermediate(True)
     try:
-        schedule = _DraftLength(num_draft_tokens, adaptive=draft_schedule == "adaptive")
+        schedule = DraftLength(num_draft_tokens, adaptive=draft_schedule == "adaptive")
         out = _decode(runner, drafter, verifier, sequence, schedule, max_new_tokens, eos)
     finally:
         restore()
@@ -267,24 +280,12 @@ def speculative_generate(
 PENDING_PER_DRAFT_TOKEN = 4
 
 
-class _DraftLength:
-    """How many tokens to draft next: `maximum` always, or adapted to how the last drafts fared."""
-
-    def __init__(self, maximum: int, *, adaptive: bool) -> None:
-        self.maximum, self.adaptive, self.current = maximum, adaptive, maximum
-
-    def update(self, proposed: int, accepted: int) -> None:
-        if self.adaptive and proposed:
-            step = 2 if accepted == proposed else -1
-            self.current = max(1, min(self.maximum, self.current + step))
-
-
 def _decode(
     runner: ModelRunner,
     drafter: Drafter,
     verifier: _Verifier,
     sequence: list[int],
-    schedule: _DraftLength,
+    schedule: DraftLength,
     max_new_tokens: int,
     eos: frozenset[int],
 ) -> SpeculativeOutput:
@@ -302,7 +303,7 @@ def _decode(
         if pending >= PENDING_PER_DRAFT_TOKEN * schedule.maximum:
             budget = 0
         proposal = drafter.propose(sequence, budget, verifier.pick) if budget > 0 else Draft([])
-        proposal = _checked(proposal, budget, runner.vocab_size)
+        proposal = check_draft(proposal, budget, runner.vocab_size)
         logits = runner.feed(sequence[len(runner.tokens) :] + proposal.tokens)[pending:]
         accepted, new_tokens = verifier.verify(proposal, logits)
         schedule.update(len(proposal.tokens), accepted)
@@ -352,9 +353,6 @@ def _check_given_caches(
     target: Any, drafter: Drafter, input_ids: torch.Tensor, cache: Any, draft_cache: Any, encoder_decoder: bool
 ) -> None:
     """Caches handed in must fit their models (as `generate` checks them) and hold less than the prompt."""
-    from .driver import _probe_cache
-    from .inputs import check_cache
-
     if (cache is not None or draft_cache is not None) and encoder_decoder:
         raise GenerationError("cache= / draft_cache= are for decoder-only targets")
     if draft_cache is not None and not isinstance(drafter, ModelDrafter):
@@ -362,7 +360,7 @@ def _check_given_caches(
     for given, model in ((cache, target), (draft_cache, getattr(drafter, "model", None))):
         if given is not None:
             check_cache(given, batch_size=1, encoder_decoder=False, source_length=input_ids.shape[1])
-            _probe_cache(model, given, input_ids, input_ids, False, need_rollback=False)
+            probe_cache(model, given, input_ids, input_ids, False, need_rollback=False)
 
 
 def _is_batch(input_ids: torch.Tensor, attention_mask: Any) -> bool:
@@ -370,44 +368,3 @@ def _is_batch(input_ids: torch.Tensor, attention_mask: Any) -> bool:
     `generate` checks a left-padding mask)."""
     mask = check_mask(attention_mask, input_ids)
     return input_ids.shape[0] > 1 or (mask is not None and not bool((mask == 1).all()))
-
-
-def _intermediate_states_switch(target: Any, wanted: bool | None) -> Callable[[bool], Callable[[], None]]:
-    """A function that sets the target's intermediate-states switch and returns its undo."""
-    setter = getattr(target, "set_return_intermediate_states", None)
-    if wanted is not None and not isinstance(wanted, bool):
-        raise GenerationError(f"intermediate_states must be None, True or False, got {wanted!r}")
-    if wanted and setter is None:
-        raise GenerationError(
-            f"intermediate_states=True but {type(target).__name__} has no set_return_intermediate_states()"
-        )
-    if setter is None or wanted is False:
-        return lambda enabled: lambda: None
-
-    def switch(enabled: bool) -> Callable[[], None]:
-        flagged = [m for m in getattr(target, "modules", list)() if hasattr(m, "return_intermediate_states")]
-        before = [m.return_intermediate_states for m in flagged]
-        setter(enabled)
-
-        def restore() -> None:
-            for module, value in zip(flagged, before, strict=True):
-                module.return_intermediate_states = value
-
-        return restore
-
-    return switch
-
-
-def _checked(draft: Draft, budget: int, vocab_size: int) -> Draft:
-    """Reject a drafter's output that does not fit (too many tokens, ids out of range, bad probs)."""
-    if not isinstance(draft, Draft):
-        raise GenerationError(f"a drafter must return a Draft, got {type(draft).__name__}")
-    if len(draft.tokens) > budget:
-        raise GenerationError(f"the drafter proposed {len(draft.tokens)} tokens, more than the {budget} asked for")
-    if any(not 0 <= t < vocab_size for t in draft.tokens):
-        raise GenerationError(f"the drafter proposed token ids outside [0, {vocab_size})")
-    if draft.probs is not None and tuple(draft.probs.shape) != (len(draft.tokens), vocab_size):
-        raise GenerationError(
-            f"draft probs have shape {tuple(draft.probs.shape)}, expected ({len(draft.tokens)}, {vocab_size})"
-        )
-    return draft

@@ -16,6 +16,7 @@ computes for them.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,8 +25,10 @@ from typing import Any
 import torch
 
 from ..errors import GenerationError
-from .drafters import Draft, Drafter, ModelDrafter
+from .draft_schedule import DraftLength
+from .drafters import Draft, Drafter, ModelDrafter, check_draft
 from .inputs import check_mask, check_token_list
+from .switches import row_states
 
 
 @dataclass
@@ -219,8 +222,6 @@ def speculate_batch(
     pad_token_id: Any, intermediate_states: bool | None, single_only: tuple,
 ) -> BatchSpeculativeOutput:  # fmt: skip
     """`speculative_generate` on a batch: checks of what only batch size 1 takes, then `decode_batch`."""
-    from .speculative import _intermediate_states_switch
-
     for given, name in zip(single_only, ("cache", "draft_cache", "prefix_store"), strict=True):
         if given is not None:
             raise GenerationError(f"{name}= is for batch size 1; this batch has {input_ids.shape[0]} row(s)")
@@ -229,30 +230,14 @@ def speculate_batch(
         raise GenerationError(f"pad_token_id must be one id, got {pad_token_id!r}")
     draft_rows, draft_switch = False, None
     if isinstance(drafter, ModelDrafter):
-        draft_rows, draft_switch = _row_states(drafter.model, None, _intermediate_states_switch)
-    target_rows, switch = _row_states(target, intermediate_states, _intermediate_states_switch)
+        draft_rows, draft_switch = row_states(drafter.model, None)
+    target_rows, switch = row_states(target, intermediate_states)
     return decode_batch(
         target, drafter, verifier, input_ids, check_mask(attention_mask, input_ids), encoder_decoder=encoder_decoder,
         num_draft_tokens=num_draft_tokens, adaptive=draft_schedule == "adaptive", max_new_tokens=max_new_tokens,
         eos=eos, pad_token_id=pad[0], switch=switch, target_row_states=target_rows,
         draft_switch=draft_switch, draft_row_states=draft_rows,
     )  # fmt: skip
-
-
-def _row_states(model: Any, wanted: bool | None, states_switch: Callable) -> tuple[bool, Callable]:
-    """Whether `model` can record every token's recurrent state in a multi-token forward, and the
-    switch that turns it on (returning its undo): per-token states handed to the cache
-    (`set_return_intermediate_states`, the reference models), or per-token recurrence
-    (`set_per_token_recurrence`, wrapped transformers Mamba2 / Qwen3-Next). `wanted=False`: neither."""
-    if wanted is not False and hasattr(model, "set_return_intermediate_states"):
-        return True, states_switch(model, None)
-    if wanted is not False and getattr(model, "has_per_token_recurrence", False):
-        def switch(enabled: bool) -> Callable[[], None]:
-            model.set_per_token_recurrence(enabled)
-            return lambda: model.set_per_token_recurrence(False)
-
-        return True, switch
-    return False, lambda enabled: lambda: None
 
 
 def decode_batch(
@@ -274,8 +259,6 @@ def decode_batch(
     draft_row_states: bool = False,
 ) -> BatchSpeculativeOutput:
     """The batched draft / verify / per-row rollback loop (see the module docstring)."""
-    from .speculative import _checked, _DraftLength
-
     device, batch = input_ids.device, input_ids.shape[0]
     encoder: dict[str, Any] = {}
     if encoder_decoder:
@@ -306,19 +289,17 @@ def decode_batch(
             else:
                 d.start(prompts[b], device=device)
 
-    restore = switch(True)
-    restore_draft = draft_switch(True) if draft_switch is not None else (lambda: None)
-    try:
+    with contextlib.ExitStack() as undo:  # undone in reverse: a model that is target and draft ends as it began
+        undo.callback(switch(True))
+        if draft_switch is not None:
+            undo.callback(draft_switch(True))
         runner.prefill(prompts)
         needs_row_states(runner, "target", target_row_states)
         if model_drafter is not None:
             model_drafter.start(prompts)
             needs_row_states(model_drafter.runner, "draft model", draft_row_states)
         out = _loop(runner, model_drafter, row_drafters, verifier, prompts, num_draft_tokens, adaptive,
-                    max_new_tokens, eos, _checked, _DraftLength)  # fmt: skip
-    finally:
-        restore()
-        restore_draft()
+                    max_new_tokens, eos)  # fmt: skip
     prompt_width = input_ids.shape[1] if not encoder_decoder else 1
     prefix = input_ids if not encoder_decoder else torch.tensor([p[:1] for p in prompts], device=device)
     longest = max(len(t) for t in out.new_tokens)
@@ -341,8 +322,6 @@ def _loop(
     adaptive: bool,
     max_new_tokens: int,
     eos: frozenset[int],
-    checked: Callable,
-    draft_length: Callable,
 ) -> BatchSpeculativeOutput:
     batch = len(prompts)
     sequences = [list(p) for p in prompts]
@@ -351,7 +330,7 @@ def _loop(
         torch.empty(0), new_tokens, 0, 0, [[] for _ in range(batch)], [[] for _ in range(batch)],
         [[] for _ in range(batch)],
     )  # fmt: skip
-    schedules = [draft_length(num_draft_tokens, adaptive=adaptive) for _ in range(batch)]
+    schedules = [DraftLength(num_draft_tokens, adaptive=adaptive) for _ in range(batch)]
     active = list(range(batch))  # original row numbers of the rows still in the batch
     while active:
         seqs = [sequences[r] for r in active]
@@ -361,7 +340,7 @@ def _loop(
         else:
             drafts = [row_drafters[r].propose(s, n, verifier.pick) if n > 0 else Draft([])
                       for r, s, n in zip(active, seqs, budgets, strict=True)]  # fmt: skip
-        drafts = [checked(d, max(n, 0), runner.model.vocab_size) for d, n in zip(drafts, budgets, strict=True)]
+        drafts = [check_draft(d, max(n, 0), runner.model.vocab_size) for d, n in zip(drafts, budgets, strict=True)]
         logits = runner.feed([[s[-1], *d.tokens] for s, d in zip(seqs, drafts, strict=True)], [s[-1] for s in seqs])
         keep, finished = [], []
         verdicts = verifier.verify_rows(drafts, logits)

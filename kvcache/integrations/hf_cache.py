@@ -23,6 +23,7 @@ from transformers.cache_utils import EncoderDecoderCache as HFEncoderDecoderCach
 from ..cache import Cache
 from ..encoder_decoder import EncoderDecoderCache
 from ..errors import CacheInputError
+from ..layers.hybrid import HybridLayer
 
 
 class TransformersCache(HFCache):
@@ -49,9 +50,15 @@ class TransformersCache(HFCache):
         self.one_forward_history = True
 
     def _commit_before_update(self, layer_idx: int) -> None:
+        """Commit layer `layer_idx` at its first update of a forward (one forward of history). A
+        parallel hybrid (Falcon-H1) is updated twice per forward, by its mixer and its attention:
+        the second update finds one part ahead of the other and must not commit the first's step."""
         if self.one_forward_history and layer_idx < len(self.cache.layers):
             layer = self.cache.layers[layer_idx]
-            if layer.record_past:
+            mid_forward = isinstance(layer, HybridLayer) and (
+                layer.attention.get_seq_length() != layer.recurrent.get_seq_length()
+            )
+            if layer.record_past and not mid_forward:
                 layer.crop(0)
 
     @property

@@ -27,7 +27,26 @@ def _vocab_size(model: PreTrainedModel) -> int:
     return int(model.config.get_text_config(decoder=True).vocab_size)
 
 
-class TransformersCausalLM:
+class _GenerationDefaults:
+    """The model's `generation_config` end and padding tokens, read at each call (so a change to
+    the config is seen), as `generate` defaults them: transformers stops and pads with these too."""
+
+    model: PreTrainedModel
+
+    @property
+    def eos_token_id(self) -> list[int] | None:
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        if eos is None:
+            return None
+        return [int(t) for t in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+    @property
+    def pad_token_id(self) -> int | None:
+        pad = getattr(self.model.generation_config, "pad_token_id", None)
+        return None if pad is None else int(pad)
+
+
+class TransformersCausalLM(_GenerationDefaults):
     """A transformers causal LM as a `kvcache.protocol.CausalLM`.
 
     Calls the unmodified model with the kvcache cache behind `as_transformers_cache`, and returns
@@ -53,6 +72,11 @@ class TransformersCausalLM:
         if not self._per_token:
             raise CacheInputError(f"{type(self.model).__name__} has no recurrent mixer of {MIXER_CLASSES}")
         self._per_token.set(bool(enabled))
+
+    @property
+    def per_token_recurrence(self) -> bool:
+        """Whether the recurrent mixers currently run one token at a time."""
+        return bool(self._per_token) and self._per_token.enabled
 
     @property
     def has_per_token_recurrence(self) -> bool:
@@ -118,7 +142,7 @@ def ragged_masks(
     return masks if len(masks) > 1 else next(iter(masks.values()))  # type: ignore[return-value]
 
 
-class TransformersEncoderDecoderLM:
+class TransformersEncoderDecoderLM(_GenerationDefaults):
     """A transformers encoder-decoder model (T5, Bart, ...) as a `kvcache.protocol.EncoderDecoderLM`."""
 
     is_encoder_decoder = True

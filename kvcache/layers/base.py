@@ -106,9 +106,10 @@ class CacheLayer(ABC):
             return
         n = crop_amount(tokens_to_remove)
         if n > self.max_rollback:
+            rows = f"; rows hold {self.row_lengths()}, a uniform crop takes n from each" if self.is_ragged else ""
             raise RollbackError(
                 f"{type(self).__name__} cannot remove {n} token(s): at most {self.max_rollback} "
-                f"can be rolled back now ({self._rollback_hint()})"
+                f"can be rolled back now ({self._rollback_hint()}{rows})"
             )
 
     def crop(self, tokens_to_remove: int | torch.Tensor | list[int]) -> None:

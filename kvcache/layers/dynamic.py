@@ -53,7 +53,8 @@ class DynamicLayer(CacheLayer):
 
     @property
     def max_rollback(self) -> int:
-        return len(self._kv)
+        """Every token, of the shortest row when rows differ (a uniform crop removes n from each)."""
+        return min(self._kv.row_lengths()) if self.is_ragged else len(self._kv)
 
     @property
     def is_croppable(self) -> bool:

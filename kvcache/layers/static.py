@@ -204,7 +204,8 @@ class StaticLayer(FixedKVLayer):
 
     @property
     def max_rollback(self) -> int:
-        return self._length
+        """Every token, of the shortest row when rows differ (a uniform crop removes n from each)."""
+        return min(self._rows) if self._rows is not None else self._length
 
     @property
     def is_croppable(self) -> bool:

@@ -114,7 +114,7 @@ def _read_checked(file: Any, device: str, verify: bool, key: bytes | None, max_a
             f"format version {header.version} has no file digest, so its data cannot be verified; "
             "load it with verify=False to accept it unverified (and save it again to add one)"
         )
-    tensors = reader.read_all(header.integrity, key, verify)
+    tensors = reader.read_all(header.integrity, key, verify or key is not None)  # a key asks for the MAC check
     specs = {e.name: (e.dtype, e.shape) for e in reader.entries if e.name != DIGEST_TENSOR}
     budget = default_budget(reader.file_size) if max_alloc_bytes is None else max_alloc_bytes
     source = LoadedTensors(tensors, specs, device, budget)
@@ -138,7 +138,8 @@ def load_cache(
     never changes when its file does), and by default every byte is checked against the file's
     xxh3 digest before the cache is built. `verify=False` skips that check (the header's own
     SHA-256 is still checked): faster, for files you trust. `key`: also check the file's
-    HMAC-SHA256 (tamper evidence; the file must have been saved with the same key).
+    HMAC-SHA256 (tamper evidence; the file must have been saved with the same key). A key always
+    means the whole file is checked: `verify=False` does not skip the MAC.
     `max_alloc_bytes` bounds what the file's layers may allocate beyond its data (a `StaticLayer`
     preallocates `max_cache_len`); the default allows 8x the file size plus 64 MiB. Returns the
     cache, or `(cache, metadata)` with `return_metadata=True`. Raises `CacheFormatError` for a

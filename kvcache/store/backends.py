@@ -70,6 +70,8 @@ class Backend(Protocol):
 class MemoryBackend:
     """Entries in a dict of this process; sizes are the bytes of their tensors."""
 
+    location = "memory"
+
     def __init__(self) -> None:
         self._entries: dict[bytes, Entry] = {}
         self._bytes = 0
@@ -193,6 +195,8 @@ class DirectoryBackend:
 
     def __init__(self, path: str | os.PathLike[str], *, strict: bool = False) -> None:
         self.path = Path(path)
+        if self.path.exists() and not self.path.is_dir():
+            raise CacheInputError(f"prefix store directory {str(path)!r} is a file, not a directory")
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -201,6 +205,10 @@ class DirectoryBackend:
             raise CacheInputError(f"prefix store directory {str(path)!r} is not a directory")
         self.strict = strict
         self._encoded: tuple[int, bytes] | None = None  # (id of the entry, its file's bytes), from `size`
+
+    @property
+    def location(self) -> str:
+        return str(self.path)
 
     def _file(self, key: bytes) -> Path:
         return self.path / (key.hex() + self.SUFFIX)

@@ -16,6 +16,7 @@ never holds more than `max_bytes`.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -61,17 +62,18 @@ class PrefixStore:
     def __init__(
         self, *, chunk_size: int = 64, max_bytes: int = 1 << 30, namespace: str = "", backend: Backend | None = None
     ) -> None:
-        for name, value in (("chunk_size", chunk_size), ("max_bytes", max_bytes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise CacheInputError(f"PrefixStore: {name} must be a positive int, got {value!r}")
-        if not isinstance(namespace, str):
-            raise CacheInputError(f"PrefixStore: namespace must be a str, got {namespace!r}")
+        check_store_params(chunk_size, max_bytes, namespace)
         self.chunk_size, self.max_bytes, self.namespace = chunk_size, max_bytes, namespace
         self.backend: Backend = MemoryBackend() if backend is None else backend
         self.stats = StoreStats()
 
     def __len__(self) -> int:
         return sum(1 for _ in self.backend.infos())
+
+    @property
+    def location(self) -> str:
+        """Where the entries are, fit to print (a URL's password redacted)."""
+        return getattr(self.backend, "location", type(self.backend).__name__)
 
     @property
     def nbytes(self) -> int:
@@ -126,11 +128,14 @@ class PrefixStore:
         return matched, Cache(layers)
 
     # ---------------------------------------------------------------------------- prefill
-    def prefill(self, model: Any, tokens: Sequence[int], *, keep_last: int = 1) -> tuple[int, Cache]:
+    def prefill(
+        self, model: Any, tokens: Sequence[int], *, keep_last: int = 1, progress: Any = None
+    ) -> tuple[int, Cache]:
         """Look `tokens` up, then feed the model the whole chunks after the match that leave at
         least `keep_last` tokens unfed (a generation driver feeds those itself, to get their
         logits), inserting each chunk's boundary. Returns `(reused, cache)`: tokens taken from the
-        store, and a cache holding the first `len(cache tokens)` tokens (a multiple of the chunk)."""
+        store, and a cache holding the first `len(cache tokens)` tokens (a multiple of the chunk).
+        `progress` (a `kvcache.progress.Progress`) is told of every token done, reused ones first."""
         tokens = _check_tokens(tokens, model)
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise CacheInputError(f"prefix store: keep_last must be a positive int, got {keep_last!r}")
@@ -141,6 +146,8 @@ class PrefixStore:
         fingerprint = self.fingerprint(model, cache)
         keys = self._keys(tokens[:limit], fingerprint)
         device = _device(model)
+        if progress is not None:
+            progress.update(reused)
         for start in range(reused, limit, self.chunk_size):
             end = start + self.chunk_size
             ids = torch.tensor([tokens[start:end]], dtype=torch.long, device=device)
@@ -148,6 +155,8 @@ class PrefixStore:
                 model(ids, cache=cache, position_ids=torch.arange(start, end, device=device)[None])
             parent = keys[start // self.chunk_size - 1] if start else None
             self._insert(keys[start // self.chunk_size], parent, [capture(layer, start, end) for layer in cache])
+            if progress is not None:
+                progress.update(self.chunk_size)
         return reused, cache
 
     def _insert(self, key: bytes, parent: bytes | None, payloads: list[Payload]) -> bool:
@@ -195,16 +204,32 @@ class PrefixStore:
         self.stats.bytes_held = 0
 
 
+def check_store_params(chunk_size: Any, max_bytes: Any, namespace: Any) -> None:
+    """A store's parameters, checked before anything (a directory, a connection) is made."""
+    for name, value in (("chunk_size", chunk_size), ("max_bytes", max_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CacheInputError(f"{name} must be a positive int, got {value!r} (PrefixStore)", param=name)
+    if not isinstance(namespace, str):
+        raise CacheInputError(f"namespace must be a str, got {namespace!r} (PrefixStore)", param="namespace")
+
+
 def open_store(
-    where: str, *, chunk_size: int = 64, max_bytes: int = 1 << 30, namespace: str = "", strict: bool = False
+    where: str, *, chunk_size: int = 64, max_bytes: int = 1 << 30, namespace: str = "", strict: bool = False,
+    create: bool = True,
 ) -> PrefixStore:
-    """A store at `where`: a Redis URL ("redis://host:port/db") or a directory path."""
+    """A store at `where`: a Redis URL ("redis://host:port/db") or a directory path (created when
+    missing, unless `create=False`). Any other URL scheme is a `CacheInputError`."""
     from .backends import DirectoryBackend
+    from .location import kind_of_location
     from .redis_backend import RedisBackend
 
-    if where.startswith(("redis://", "rediss://", "unix://")):
+    check_store_params(chunk_size, max_bytes, namespace)
+    if kind_of_location(where) == "redis":
         backend: Backend = RedisBackend(where, strict=strict)
     else:
+        if not create and not os.path.isdir(where):
+            what = "is a file, not a directory" if os.path.exists(where) else "does not exist"
+            raise CacheInputError(f"no prefix store at {where!r}: it {what}")
         backend = DirectoryBackend(where, strict=strict)
     return PrefixStore(chunk_size=chunk_size, max_bytes=max_bytes, namespace=namespace, backend=backend)
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from ..errors import CacheFormatError, CacheInputError, KVCacheError
 from .backends import Entry, EntryInfo, decode, encode
+from .location import redact
 
 
 class RedisBackend:
@@ -31,11 +32,15 @@ class RedisBackend:
         except ImportError as exc:
             raise CacheInputError('RedisBackend needs the redis client: pip install "kvcache[redis]"') from exc
         if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
-            raise CacheInputError(f"RedisBackend: url must be redis://host:port[/db], got {url!r}")
+            raise CacheInputError(f"RedisBackend: url must be redis://host:port[/db], got {redact(str(url))!r}")
         self.url, self.prefix, self.strict = url, prefix, strict
         self._errors = (redis.exceptions.RedisError, OSError)
         self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
         self._encoded: tuple[int, bytes] | None = None
+
+    @property
+    def location(self) -> str:
+        return redact(self.url)
 
     def _name(self, what: str) -> str:
         return f"{self.prefix}:{what}"
@@ -44,7 +49,7 @@ class RedisBackend:
         return self._name("e:" + key.hex())
 
     def _unavailable(self, exc: Exception, default: Any) -> Any:
-        message = f"prefix store: Redis at {self.url} unavailable ({type(exc).__name__}); treated as a miss"
+        message = f"prefix store: Redis at {self.location} unavailable ({type(exc).__name__}); treated as a miss"
         if self.strict:
             raise KVCacheError(message) from exc
         warnings.warn(message, stacklevel=3)
@@ -62,7 +67,7 @@ class RedisBackend:
             entry = decode(data)
         except CacheFormatError as exc:
             self.delete(key)
-            message = f"prefix store entry {key.hex()[:16]}... on {self.url}: {exc}; dropped"
+            message = f"prefix store entry {key.hex()[:16]}... on {self.location}: {exc}; dropped"
             if self.strict:
                 raise CacheFormatError(message) from exc
             warnings.warn(message, stacklevel=2)

@@ -1,0 +1,3 @@
+"""The package version, in a module of its own so that `kvcache --version` imports nothing else."""
+
+__version__ = "0.2.0"
