@@ -12,7 +12,10 @@
    token times the distinct tokens, plus its bounded part (windows, states) once per prompt; the
    store keeps the bounded part at every chunk boundary, so it exceeds that.
 
-Chunks of 64 tokens, in-memory backend, one thread, medians of rotating rounds.
+3. Per-operation cost against 100 to 100,000 entries held, for the memory, directory and Redis
+   backends, and a cold prompt into a full store (`store_scale.py`, its docstring says how).
+
+Chunks of 64 tokens, in-memory backend (1 and 2), one thread, medians of rotating rounds.
 
     python benchmarks/prefix_store.py [--quick]
 """
@@ -157,8 +160,15 @@ def _cache_bytes(cache: Any) -> int:
 
 
 def prefix_store_scenario(mode: str) -> Section:
-    title = "9. The prefix store: time to first token on a hit, and bytes per prefix"
-    return section_of("prefix_store", title, __doc__, (ttft_table, memory_table), mode)
+    try:
+        from .store_scale import cold_into_full_table, scale_table
+    except ImportError:  # run as a script
+        from store_scale import cold_into_full_table, scale_table  # type: ignore[no-redef]
+
+    title = "9. The prefix store: time to first token on a hit, bytes per prefix, and cost at scale"
+    section = section_of("prefix_store", title, __doc__, (ttft_table, memory_table, scale_table,
+                                                           cold_into_full_table), mode)  # fmt: skip
+    return section
 
 
 if __name__ == "__main__":

@@ -10,10 +10,13 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+from servers import Cluster, Server, need_redis_server
 
 SLOW = os.environ.get("KVCACHE_SLOW") == "1"
 
@@ -62,3 +65,27 @@ def one_thread():
     torch.set_num_threads(TEST_THREADS or 1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[Server]:
+    """A `redis-server` of the test's own on 127.0.0.1 (skipped where none is installed, outside CI)."""
+    need_redis_server()
+    server = Server(tmp_path / "redis")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A 3-node Redis Cluster on 127.0.0.1, shared by a module's tests."""
+    need_redis_server()
+    cluster = Cluster(tmp_path_factory.mktemp("cluster"))
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

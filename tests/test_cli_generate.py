@@ -258,3 +258,21 @@ def test_a_long_prefill_shows_progress_when_stderr_is_not_a_terminal(stand_in_mo
     lines = [line for line in err.splitlines() if line.startswith("prefill:")]
     assert code == 0 and out == plain[1] and "prefill" not in out
     assert len(lines) >= 10 and lines[-1].startswith(f"prefill: {(len(LONGER * 3) - 1) // 16 * 16:,}/")
+
+
+def test_a_store_key_comes_from_a_file_or_the_environment(stand_in_model, capsys, tmp_path: Path, monkeypatch) -> None:
+    """`--prefix-store-key-file` or $KVCACHE_PREFIX_STORE_KEY: a keyed store hits only with its key
+    (no key, or another: a miss, since keyed entries have names only the key gives); a short key is
+    a one-line error."""
+    store, key_file = tmp_path / "store", tmp_path / "key"
+    key_file.write_bytes(b"0123456789abcdef-secret\n")
+    args = (LONGER, "--max-new-tokens", "4", "--prefix-store", str(store))
+    assert _cli(capsys, *args, "--prefix-store-key-file", str(key_file))[0] == 0
+    assert "hit, 80 token(s)" in _cli(capsys, *args, "--prefix-store-key-file", str(key_file))[2]
+    assert "miss, 0 token(s)" in _cli(capsys, *args)[2]
+    monkeypatch.setenv("KVCACHE_PREFIX_STORE_KEY", "0123456789abcdef-secret")
+    code, out, err = _cli(capsys, *args)
+    assert code == 0 and "hit, 80 token(s)" in err and "secret" not in out + err
+    monkeypatch.setenv("KVCACHE_PREFIX_STORE_KEY", "short")
+    code, out, err = _cli(capsys, *args)
+    assert (code, out) == (2, "") and "at least 16 bytes" in err and err.count("\n") == 1

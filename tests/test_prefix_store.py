@@ -54,7 +54,9 @@ def test_a_hit_continues_exactly_as_the_chunked_prefill(kind: str) -> None:
     prompt = torch.randint(1, 256, (1, 37), generator=torch.Generator().manual_seed(1))
     plain = generate(model, prompt, max_new_tokens=12, output_scores=True)
     cold = generate(model, prompt, max_new_tokens=12, output_scores=True, prefix_store=store)
-    assert store.stats.hits == 0 and store.stats.chunks_inserted == 4  # 36 tokens: 4 whole chunks, 1 left to feed
+    # 37 tokens: 4 whole chunks prefilled (the rest the driver feeds), then the 2 boundaries decoding
+    # reaches (40 and 48 tokens held)
+    assert store.stats.hits == 0 and store.stats.chunks_inserted == 6
     hit = generate(model, prompt, max_new_tokens=12, output_scores=True, prefix_store=store)
     assert store.stats.hits == 1 and store.stats.tokens_reused == 32
     assert hit.sequences.tolist() == cold.sequences.tolist() == plain.sequences.tolist()
@@ -208,6 +210,78 @@ def test_bad_arguments_are_clear_errors_and_change_nothing() -> None:
     with pytest.raises(GenerationError, match="PrefixStore"):
         generate(model, torch.ones(1, 9, dtype=torch.long), max_new_tokens=2, prefix_store={})
     assert (len(store), store.nbytes) == before
+
+
+@pytest.mark.parametrize("kind", ["full", "sliding", "wide_sliding", "hybrid"])
+def test_decoding_stores_its_chunk_boundaries_exactly(kind: str) -> None:
+    """Every boundary decoding reaches is stored, and the cache a lookup rebuilds there is, layer
+    by layer and bit for bit, the cache of an independent run that prefilled the prompt in chunks
+    and decoded the same tokens up to that boundary."""
+    model, store = reference(kind), PrefixStore(chunk_size=CHUNK)
+    prompt = torch.randint(1, 256, (1, 13), generator=torch.Generator().manual_seed(2))
+    out = generate(model, prompt, max_new_tokens=30, prefix_store=store)
+    tokens = out.sequences[0].tolist()  # the cache held 42 tokens: boundaries up to 40
+    matched, cache = store.lookup(tokens, model)
+    assert matched == 40 and store.stats.chunks_inserted == 5
+    reference_cache = chunked_prefill(model, tokens, 8)  # the prompt's whole chunk, as the store's prefill fed it
+    generate(model, prompt, cache=reference_cache, max_new_tokens=40 - 13 + 1)  # decodes up to 40 held tokens
+    for layer in reference_cache:
+        layer.record_past = False
+    assert reference_cache.get_seq_length() == 40
+    from kvcache.store.payloads import canonical
+
+    assert_same_layers(cache, [canonical(layer) for layer in reference_cache])
+
+
+def _counting(model):
+    """`model`, counting the tokens of its multi-token forwards (prefill; decoding feeds one at a time)."""
+    fed = []
+    real = model.forward
+
+    def forward(ids, **kwargs):
+        if ids.shape[1] > 1:
+            fed.append(ids.shape[1])
+        return real(ids, **kwargs)
+
+    model.forward = forward
+    return fed
+
+
+@pytest.mark.parametrize("which", ["bundled", "hybrid"])
+def test_a_three_turn_chat_prefills_only_the_last_chunk_and_the_new_message(which: str) -> None:
+    """Turn n's prompt is turn n-1's prompt, its answer and a new message. With a store, turns 2
+    and 3 prefill at most one chunk plus the new message (the answers' chunks were stored while
+    decoding), and every turn's output equals the run without a store."""
+    chunk = 16
+    if which == "bundled":
+        from kvcache.models import load_default_model
+
+        model, tokenizer = load_default_model()
+        encode = tokenizer.encode
+        messages = ["User: What does the cache hold?\nAssistant:", "\nUser: And after a crop?\nAssistant:",
+                    "\nUser: Why is that exact?\nAssistant:"]  # fmt: skip
+    else:
+        model = reference("hybrid")
+        encode = lambda text: [ord(c) for c in text]  # noqa: E731
+        messages = ["first message, a long one, " * 2, " a second message ", " and a third "]
+    store = PrefixStore(chunk_size=chunk)
+    fed = _counting(model)
+    history: list[int] = []
+    for turn, message in enumerate(messages):
+        new = encode(message)
+        ids = torch.tensor([history + new])
+        plain = generate(model, ids, max_new_tokens=40)
+        fed.clear()
+        reused = store.stats.tokens_reused
+        out = generate(model, ids, max_new_tokens=40, prefix_store=store)
+        reused = store.stats.tokens_reused - reused
+        assert out.sequences.tolist() == plain.sequences.tolist(), f"turn {turn + 1}"
+        probe = chunk if turn == 1 else 0  # the first hit checks entries against one forward of a chunk, once
+        assert sum(fed) <= ids.shape[1] - reused + probe, (turn, fed)  # nothing is fed twice
+        if turn:
+            assert ids.shape[1] - reused <= chunk + len(new), (turn, reused, ids.shape[1], len(new))
+        history = out.sequences[0].tolist()
+    assert store.stats.hits == 2
 
 
 transformers = pytest.importorskip("transformers", minversion="5.24")

@@ -52,6 +52,9 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--prefix-store", metavar="DIR_OR_URL",
                         help="reuse prompt prefixes stored in this directory or Redis server (redis://host:port/db), "
                         "and store this prompt's")
+    parser.add_argument("--prefix-store-key-file", metavar="FILE",
+                        help=f"keep strangers out of the store: entries carry a MAC under the key in FILE (or in "
+                        f"${KEY_ENV}); never pass a key on the command line")
     parser.add_argument("--prefix-store-bytes", type=int, default=1 << 30, metavar="N",
                         help="the store's byte budget (default 1 GiB); least recently used prefixes go first")
     parser.add_argument("--threads", type=int, default=1,
@@ -75,6 +78,8 @@ def model_id(weights_dir: Path) -> str:
 
 #: The library's parameter names that `kvcache generate` sets from flags of other names.
 FLAG_NAMES = {"max_bytes": "--prefix-store-bytes"}
+#: The environment variable a store key may come from (a flag would show it to `ps`).
+KEY_ENV = "KVCACHE_PREFIX_STORE_KEY"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -162,13 +167,30 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def store_key(args: argparse.Namespace) -> bytes | None:
+    """The store's MAC key: the bytes of `--prefix-store-key-file` (a trailing newline dropped),
+    else those of $KVCACHE_PREFIX_STORE_KEY, else None. At least 16 bytes."""
+    import os
+
+    if args.prefix_store_key_file:
+        key = Path(args.prefix_store_key_file).read_bytes().rstrip(b"\r\n")
+        where = f"--prefix-store-key-file {args.prefix_store_key_file}"
+    elif os.environ.get(KEY_ENV):
+        key, where = os.environ[KEY_ENV].encode(), f"${KEY_ENV}"
+    else:
+        return None
+    if len(key) < 16:
+        raise GenerationError(f"{where}: a store key needs at least 16 bytes, got {len(key)}")
+    return key
+
+
 def _open_store(args: argparse.Namespace) -> Any:
     """The `--prefix-store` store, its budget checked under the flag's name."""
     from ..models import default
     from ..store import open_store
 
     return open_store(args.prefix_store, chunk_size=PREFILL_BLOCK, max_bytes=args.prefix_store_bytes,
-                      namespace=model_id(default.WEIGHTS_DIR))  # fmt: skip
+                      namespace=model_id(default.WEIGHTS_DIR), key=store_key(args))  # fmt: skip
 
 
 def _preview(text: str, limit: int = 40) -> str:

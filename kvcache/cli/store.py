@@ -12,27 +12,30 @@ def add_parser(subparsers: Any) -> None:
         help="show what a prefix store (a directory or a Redis URL) holds",
         description="Show a prefix store's entries, bytes, and lookup counters (shared by every process using it).",
     )
-    parser.add_argument("where", help="the store's directory, or redis://host:port/db")
+    parser.add_argument("where", help="the store's directory, or redis://host:port/db (redis+cluster:// for a cluster)")
     parser.add_argument("--clear", action="store_true", help="delete every entry")
-    parser.set_defaults(func=run)
+    parser.add_argument("--max-bytes", type=int, metavar="N",
+                        help="evict the least recently used entries until the store holds at most N bytes")
+    parser.set_defaults(func=run, flag_names={"max_bytes": "--max-bytes"})  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     from ..store import open_store
 
-    store = open_store(args.where, strict=True, create=False)  # a report of a server that is down would be zeros
+    # strict: a report of a server that is down would read as an empty store
+    budget = args.max_bytes if args.max_bytes is not None else 1 << 62
+    store = open_store(args.where, strict=True, create=False, max_bytes=budget)  # evicts down to --max-bytes
     if args.clear:
-        chunks, held = len(store), store.nbytes
+        summary = store.backend.summary()
         store.clear()
-        print(f"prefix store {store.location}: cleared {chunks} chunk(s), {held:,} bytes")
+        print(f"prefix store {store.location}: cleared {summary['chunks']} chunk(s), {summary['bytes']:,} bytes")
         return 0
-    infos = list(store.backend.infos())
-    roots = sum(1 for info in infos if info.parent is None)
+    summary = store.backend.summary()
     counts = store.backend.counters()
     lookups, hits = counts.get("lookups", 0), counts.get("hits", 0)
     print(f"prefix store {store.location}")
-    print(f"  chunks:        {len(infos)} ({roots} first chunk(s) of a prompt)")
-    print(f"  bytes:         {store.nbytes:,}")
+    print(f"  chunks:        {summary['chunks']} ({summary['roots']} first chunk(s) of a prompt)")
+    print(f"  bytes:         {summary['bytes']:,}")
     print(f"  lookups:       {lookups}")
     rate = f"{hits / lookups:.0%}" if lookups else "-"
     print(f"  hits:          {hits} (hit rate {rate})")

@@ -76,7 +76,8 @@ def generate(
       False never. The results are identical either way.
     - `prefix_store` (a `kvcache.store.PrefixStore`): start from the prompt's longest stored prefix,
       prefill the rest of its whole chunks into the store, then go on as usual (batch size 1, no
-      `cache`). The output equals a run without the store that prefilled the same chunks.
+      `cache`); every chunk boundary decoding reaches is stored too, so a chat's next turn reuses
+      the answer. The output equals a run without the store that prefilled the same chunks.
     """
     # ------------------------------------------------------------------ checks, before any work
     sampling = Sampling(do_sample, temperature, top_k, top_p)
@@ -115,11 +116,11 @@ def generate(
             raise GenerationError("decoder_input_ids is only for encoder-decoder models")
         tokens, token_mask = input_ids, attention_mask
 
-    given_cache = cache is not None
+    given_cache, session = cache is not None, None
     if prefix_store is not None:
         from ..store import prefill_for_generation
 
-        cache = prefill_for_generation(prefix_store, model, input_ids, attention_mask, cache, encoder_decoder)
+        cache, session = prefill_for_generation(prefix_store, model, input_ids, attention_mask, cache, encoder_decoder)
     elif cache is None:
         cache = model.new_cache()
     else:
@@ -143,7 +144,7 @@ def generate(
                 layer.activate_past_recording()
         return _run(model, cache, input_ids, attention_mask, encoder_decoder, tokens, token_mask, past, length,
                     max_new_tokens, sampling, generator, counter, output_scores, defer_stop, eos, pad,
-                    recording_on_entry, made.append)  # fmt: skip
+                    recording_on_entry, made.append, session)  # fmt: skip
     except BaseException:
         stop = made[-1] if made else None
         if isinstance(stop, DeferredStopCheck) and not stop.ended and not (counter and counter.raised):
@@ -159,12 +160,13 @@ def _run(
     tokens: torch.Tensor, token_mask: torch.Tensor | None, past: int, length: int, max_new_tokens: int,
     sampling: Sampling, generator: torch.Generator | None, streamer: Streamer | None, output_scores: bool,
     defer_stop: bool | None, eos: list[int], pad: list[int], recording_on_entry: list[bool],
-    remember: Callable[[StopCheck], None],
+    remember: Callable[[StopCheck], None], session: Any = None,
 ) -> GenerationOutput:  # fmt: skip
-    """The prefill and the decoding loop of `generate`, after its checks."""
+    """The prefill and the decoding loop of `generate`, after its checks. `session`: the prefix
+    store's (it is told of every forward, to store the chunk boundaries decoding reaches)."""
     batch, device = tokens.shape[0], tokens.device
     with torch.no_grad():
-        forward = _forward_fn(model, cache, input_ids, attention_mask, encoder_decoder)
+        forward = _forward_fn(model, cache, input_ids, attention_mask, encoder_decoder, session)
         positions = _positions(token_mask, past, length, max_new_tokens, batch, device)
         full_mask = None
         if token_mask is not None:
@@ -240,9 +242,18 @@ def _decode(
 
 
 def _forward_fn(
-    model: Any, cache: Cache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, encoder_decoder: bool
-) -> Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]:
-    """`forward(new_tokens, attention_mask, position_ids) -> logits`, appending to `cache`."""
+    model: Any, cache: Cache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, encoder_decoder: bool,
+    session: Any = None,
+) -> Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]:  # fmt: skip
+    """`forward(new_tokens, attention_mask, position_ids) -> logits`, appending to `cache` (and
+    telling the prefix store's `session` of the tokens fed)."""
+    if session is not None:
+        def stored(ids: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor) -> torch.Tensor:
+            logits = model(ids, cache=cache, attention_mask=mask, position_ids=pos)
+            session.after_forward(cache, ids)
+            return logits
+
+        return stored
     if not encoder_decoder:
         return lambda ids, mask, pos: model(ids, cache=cache, attention_mask=mask, position_ids=pos)
     encoded = model.encode(input_ids, attention_mask)

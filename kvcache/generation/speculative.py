@@ -244,7 +244,7 @@ def speculative_generate(
     if prefix_store is not None:
         from ..store import prefill_for_generation
 
-        cache = prefill_for_generation(prefix_store, target, input_ids, attention_mask, cache, encoder_decoder)
+        cache = prefill_for_generation(prefix_store, target, input_ids, attention_mask, cache, encoder_decoder)[0]
 
     runner = ModelRunner(
         target,

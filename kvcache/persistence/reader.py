@@ -88,9 +88,10 @@ def _read_exact(file: BinaryIO, buffer: memoryview, digest: FileDigest | None) -
 class FileReader:
     """An open kvcache file, read front to back: layout, metadata, then tensors."""
 
-    def __init__(self, file: BinaryIO) -> None:
+    def __init__(self, file: BinaryIO, size: int | None = None) -> None:
+        """`file` positioned at its start; `size` its length in bytes (default: the file's, by fstat)."""
         self._file = file
-        size = os.fstat(file.fileno()).st_size
+        size = os.fstat(file.fileno()).st_size if size is None else size
         head = file.read(8)
         if len(head) != 8:
             raise CacheFormatError(f"not a valid safetensors file: {size} bytes, too short for a header")
