@@ -1,8 +1,8 @@
 """Where a prefix store keeps its entries: the interface every backend implements, the recency
 rule they share, and the in-process backend.
 
-Every operation costs the same however many entries are held: backends keep an index ordered by
-recency (a heap here, an SQLite index for a directory, a sorted set on Redis) and never scan.
+No operation scans: backends keep an index ordered by recency (a heap here, an SQLite index for a
+directory, a sorted set on Redis), so every operation costs O(log n) in the entries held.
 
 Recency rule. A request takes a *stamp* (`begin`, increasing across everyone sharing the backend),
 and every entry it reads or writes gets the score `score(stamp, depth)`, never lowered. A chunk's
