@@ -37,6 +37,7 @@ def scenarios() -> dict[str, Callable[[str], Section]]:
     from benchmarks.prefix_store import prefix_store_scenario
     from benchmarks.scenarios_io import generation_scenario, persistence_scenario
     from benchmarks.scenarios_layers import append_scenario, memory_scenario, rollback_scenario
+    from benchmarks.serve import serve_scenario
     from benchmarks.startup import startup_scenario
     from benchmarks.stateful_speculation import speculation_scenario
 
@@ -52,6 +53,7 @@ def scenarios() -> dict[str, Callable[[str], Section]]:
         "prefix_store": prefix_store_scenario,
         "batch_speculation": batch_speculation_scenario,
         "startup": startup_scenario,
+        "serve": serve_scenario,
     }
 
 

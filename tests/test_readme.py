@@ -16,6 +16,8 @@ import pytest
 
 README = Path(__file__).parents[1] / "README.md"
 CONTINUES = "# continues the block above"
+#: Blocks that talk to a running server: tests/test_serve.py runs them against one of its own.
+NEEDS_SERVER = "# needs `kvcache serve` running"
 
 
 def python_blocks() -> list[tuple[int, str]]:
@@ -28,6 +30,8 @@ def chains() -> list[list[tuple[int, str]]]:
     """The blocks grouped into runs that share a namespace."""
     groups: list[list[tuple[int, str]]] = []
     for line, source in python_blocks():
+        if source.startswith(NEEDS_SERVER):
+            continue
         if source.startswith(CONTINUES):
             assert groups, f"README line {line}: the first block cannot continue another"
             groups[-1].append((line, source))

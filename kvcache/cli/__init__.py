@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from ..errors import KVCacheError
 
 #: Modules that define `add_parser(subparsers)`; each sets `func(args) -> int` on its parser.
-SUBCOMMAND_MODULES = ("inspect", "generate", "store")
+SUBCOMMAND_MODULES = ("inspect", "generate", "store", "serve")
 
 
 def build_parser() -> argparse.ArgumentParser:

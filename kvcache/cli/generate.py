@@ -57,6 +57,8 @@ def add_parser(subparsers: Any) -> None:
                         f"${KEY_ENV}); never pass a key on the command line")
     parser.add_argument("--prefix-store-bytes", type=int, default=1 << 30, metavar="N",
                         help="the store's byte budget (default 1 GiB); least recently used prefixes go first")
+    parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default="float32",
+                        help="the model's dtype (default float32)")
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads for torch (default 1; on 2 cores 2 threads decode 1.1x faster)")
     parser.set_defaults(func=run, flag_names=FLAG_NAMES)  # fmt: skip
@@ -107,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         raise GenerationError("the prompt is empty")
     torch.set_num_threads(args.threads)
     loaded = load_cache(args.cache, return_metadata=True) if args.cache else None  # a bad file fails fast
-    model, tokenizer = default.load_default_model(weights_dir=default.WEIGHTS_DIR)
+    model, tokenizer = default.load_default_model(weights_dir=default.WEIGHTS_DIR, dtype=getattr(torch, args.dtype))
     unknown = tokenizer.unknown_characters(text)
     if unknown:
         shown = "".join(unknown[:20]) + ("..." if len(unknown) > 20 else "")

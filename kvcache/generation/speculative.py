@@ -95,7 +95,7 @@ class SpeculativeOutput:
         return NO_ROLLBACK
 
 
-class _Verifier:
+class Verifier:
     """Greedy picking, or temperature / top-k / top-p sampling (`Sampling`, the same processing
     `generate` uses), applied alike to the target and a draft model, and the acceptance rule."""
 
@@ -234,7 +234,7 @@ def speculative_generate(
     eos = frozenset(check_token_list("eos_token_id", eos_token_id, int(target.vocab_size)))
     device = input_ids.device
     check_generator(generator, device)
-    verifier = _Verifier(Sampling(do_sample, temperature, top_k, top_p), generator)
+    verifier = Verifier(Sampling(do_sample, temperature, top_k, top_p), generator)
     use_intermediate = intermediate_states_switch(target, intermediate_states)
     if batched:
         return speculate_batch(target, drafter, verifier, input_ids, attention_mask, encoder_decoder,
@@ -283,7 +283,7 @@ PENDING_PER_DRAFT_TOKEN = 4
 def _decode(
     runner: ModelRunner,
     drafter: Drafter,
-    verifier: _Verifier,
+    verifier: Verifier,
     sequence: list[int],
     schedule: DraftLength,
     max_new_tokens: int,

@@ -14,7 +14,7 @@ the store (`PrefixStore.guard`).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -141,6 +141,21 @@ class StoreSession:
     # --------------------------------------------------------------------------- prefill
     def prefill(self, tokens: Sequence[int], *, keep_last: int = 1, progress: Any = None) -> tuple[int, Cache]:
         """See `PrefixStore.prefill`."""
+        steps = self.prefill_steps(tokens, keep_last=keep_last)
+        reused, cache = next(steps)
+        if progress is not None:
+            progress.update(reused)
+        for _ in steps:
+            if progress is not None:
+                progress.update(self.chunk)
+        self.store.stats.bytes_held = self.store.nbytes
+        return reused, cache
+
+    def prefill_steps(self, tokens: Sequence[int], *, keep_last: int = 1) -> Iterator[tuple[int, Cache]]:
+        """`prefill` one step at a time: the first `next()` looks `tokens` up and yields `(reused,
+        cache)`; each later one feeds and stores one chunk (a server interleaves these with the
+        decoding steps of the requests already running, so a newcomer's prefill stalls them by one
+        chunk at most). `cache` is the same object throughout."""
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise CacheInputError(f"prefix store: keep_last must be a positive int, got {keep_last!r}")
         if any(not storable(layer) for layer in self.template):
@@ -148,26 +163,29 @@ class StoreSession:
         tokens = _check_tokens(tokens, self.model)
         limit = max((len(tokens) - keep_last) // self.chunk * self.chunk, 0)
         reused, cache = self.lookup(tokens, max_tokens=limit)
-        if progress is not None:
-            progress.update(reused)
+        yield reused, cache
         for start in range(reused, limit, self.chunk):
             end = start + self.chunk
             ids = torch.tensor([tokens[start:end]], dtype=torch.long, device=self.device)
             with torch.no_grad():
                 self.model(ids, cache=cache, position_ids=torch.arange(start, end, device=self.device)[None])
             self.length = end
-            self._store_boundary(cache, heal=True)
-            if progress is not None:
-                progress.update(self.chunk)
-        self.store.stats.bytes_held = self.store.nbytes
-        return reused, cache
+            self._store_boundary(lambda s, e: [capture(layer, s, e) for layer in cache], heal=True)
+            yield reused, cache
 
     # ---------------------------------------------------------------------------- decode
     def after_forward(self, cache: Cache, ids: torch.Tensor) -> None:
         """The generation driver fed `ids` `[1, n]` into `cache`: store the boundary the cache now
         sits on, if it is the next whole chunk past the last stored one (a forward that crosses a
         boundary without ending on it leaves no state to store there: the path ends)."""
-        position, n = self.length, ids.shape[1]
+        self.advance(ids, lambda s, e: [capture(layer, s, e) for layer in cache])
+
+    def advance(self, ids: torch.Tensor | Sequence[int], capture_chunk: Callable[[int, int], list[Payload]]) -> None:
+        """The request's cache took `ids` (a `[1, n]` tensor, or host ints): when it now holds the
+        next whole chunk past the last stored boundary, `capture_chunk(start, end)` gives that
+        chunk's payloads (one per layer) and they are stored."""
+        n = ids.shape[1] if isinstance(ids, torch.Tensor) else len(ids)
+        position = self.length
         self.length += n
         if self.failed or self.length - self.stored > self.chunk:
             self._pending.clear()  # nothing more can be stored along this path
@@ -177,16 +195,17 @@ class StoreSession:
         if self.length - self.stored < self.chunk:
             return
         for start, pending in self._pending:  # one host transfer per chunk, not per step
-            self.tokens.extend(pending[0].tolist()[len(self.tokens) - start :])
+            values = pending[0].tolist() if isinstance(pending, torch.Tensor) else list(pending)
+            self.tokens.extend(values[len(self.tokens) - start :])
         self._pending.clear()
         self.extend_keys()
-        self._store_boundary(cache, heal=False)
+        self._store_boundary(capture_chunk, heal=False)
 
     # ---------------------------------------------------------------------------- insert
-    def _store_boundary(self, cache: Cache, *, heal: bool) -> None:
-        """Capture and store the boundary at `self.length` (its parent stored), raising the
-        stored mark on success. `heal`: an entry that exists there but is damaged (one the lookup
-        did not reach) is replaced."""
+    def _store_boundary(self, capture_chunk: Callable[[int, int], list[Payload]], *, heal: bool) -> None:
+        """Capture (`capture_chunk(start, end)`) and store the boundary at `self.length` (its parent
+        stored), raising the stored mark on success. `heal`: an entry that exists there but is
+        damaged (one the lookup did not reach) is replaced."""
         end = self.length
         if self.failed or self.stored != end - self.chunk or len(self.keys) < end // self.chunk:
             return
@@ -195,7 +214,7 @@ class StoreSession:
             return
         depth = end // self.chunk - 1
         key, parent = self.keys[depth], (self.keys[depth - 1] if depth else None)
-        payloads: list[Payload] = [capture(layer, end - self.chunk, end) for layer in cache]
+        payloads = capture_chunk(end - self.chunk, end)
         outcome = self._insert(key, parent, payloads, depth, stamp)
         if outcome == "exists" and heal:
             records = self.store.guard(lambda: self.store.backend.get_many([key]), [], self)

@@ -1,0 +1,157 @@
+"""`kvcache serve` under load: throughput of concurrent requests decoded together, and time to
+first token on a prefix-store hit.
+
+1. The bundled model served on 127.0.0.1 (one torch thread; the clients run on the other core).
+   A set of greedy completions (distinct prompts, `max_tokens` each) is sent one at a time, then
+   by 1, 4 and 16 concurrent clients; generated tokens per second of each, against one at a time.
+   Target: >= 3x at 16. The same run counts the answers that differ from their prompt decoded
+   alone (float32: batched and single-row kernels differ in the last bits, and a near tie can
+   flip a token).
+2. Time to first token (streamed, to the first text) of a question after a shared 1k-token system
+   prompt: cold (a system prompt never seen), on a hit (the system prompt stored by an earlier
+   request), and the question alone (the cost of the un-stored suffix, with nothing before it).
+   Target: a hit within 1.5x of the question alone.
+
+    python benchmarks/serve.py [--quick]
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+try:
+    from .common import Section, Table, Target, Timing, run_as_script
+except ImportError:  # run as a script
+    from common import Section, Table, Target, Timing, run_as_script  # type: ignore[no-redef]
+
+#: (requests, new tokens each, rounds, time-to-first-token samples) per mode
+SIZES = {"smoke": (8, 16, 1, 2), "quick": (32, 48, 1, 5), "full": (48, 64, 3, 9)}
+WORDS = ("value", "name", "object", "method", "class", "list", "module", "type", "key", "file", "string", "error")
+
+
+def _server(tmp: Path) -> Any:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from serve_kit import ServeProcess  # the tests' server process: a free port, a bounded start
+
+    return ServeProcess("--threads", "1", "--max-prompt-tokens", "16384").start(tmp / "stderr.log")
+
+
+def _complete(url: str, prompt: str, new: int) -> tuple[str, int]:
+    import httpx
+
+    body = {"prompt": prompt, "max_tokens": new, "temperature": 0}
+    answer = httpx.post(f"{url}/v1/completions", json=body, timeout=600).json()
+    return answer["choices"][0]["text"], answer["usage"]["completion_tokens"]
+
+
+def _ttft(url: str, prompt: str) -> float:
+    import httpx
+
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True}
+    start = time.perf_counter()
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as answer:
+        for line in answer.iter_lines():
+            if line.startswith("data:") and line != "data: [DONE]" and json.loads(line[5:])["choices"][0]["text"]:
+                return time.perf_counter() - start
+    raise RuntimeError("no text came back")
+
+
+def throughput_table(mode: str, url: str) -> tuple[Table, list[Target], dict[str, Any]]:
+    count, new, rounds, _ = SIZES[mode]
+    rng = random.Random(0)
+    prompts = [f"The {rng.choice(WORDS)} of the {rng.choice(WORDS)} is {i} " for i in range(count)]
+    samples: dict[str, list[float]] = {"one at a time": [], "1": [], "4": [], "16": []}
+    answers: dict[str, str] = {}
+    for _ in range(rounds):
+        for name in samples:
+            start = time.perf_counter()
+            if name == "one at a time":
+                results = [_complete(url, p, new) for p in prompts]
+            else:
+                with concurrent.futures.ThreadPoolExecutor(int(name)) as pool:
+                    results = list(pool.map(lambda p: _complete(url, p, new), prompts))
+            seconds = time.perf_counter() - start
+            samples[name].append(sum(n for _, n in results) / seconds)
+            if name == "16":
+                answers = {p: text for p, (text, _) in zip(prompts, results, strict=True)}
+    t = {k: Timing.of(v) for k, v in samples.items()}
+    base = t["one at a time"].median
+    table = Table(f"Generated tokens per second, {count} greedy requests of {new} tokens",
+                  ["clients", ":tokens/s", ":/ one at a time"])  # fmt: skip
+    for name, timing in t.items():
+        table.add(name, timing.cell(scale=1, digits=0), f"{timing.median / base:.2f}x")
+    at16 = t["16"].median / base
+    from kvcache.generation import generate
+    from kvcache.models import load_default_model
+
+    model, tokenizer = load_default_model()
+    differ = 0
+    for p, text in answers.items():
+        ids = torch.tensor([tokenizer.encode(p)])
+        alone = tokenizer.decode(generate(model, ids, max_new_tokens=new).sequences[0, ids.shape[1]:].tolist())
+        differ += alone != text
+    table.add("answers at 16 that differ from the prompt alone (float32)", f"{differ} of {count}", "")
+    targets = [Target("serve: throughput at 16 concurrent clients", ">= 3x one at a time", f"{at16:.2f}x", at16 >= 3,
+                      "rows decode together in one forward; the model is small, so per-step overhead (HTTP, "
+                      "Python, the joins' copies) is a large share, and the clients share the machine")]  # fmt: skip
+    return table, targets, {"tokens_per_second": t, "differ_float32": differ}
+
+
+def ttft_table(mode: str, url: str) -> tuple[Table, list[Target], dict[str, Any]]:
+    _, _, _, reps = SIZES[mode]
+    rng = random.Random(1)
+    length = 256 if mode == "smoke" else 1000
+
+    def system() -> str:
+        return "".join(rng.choice("abcdefghij klmnop") for _ in range(length)) + "\n"
+
+    def question() -> str:
+        return f"Question {rng.randrange(10**6)}: what is the "
+
+    shared = system()
+    _complete(url, shared + question(), 1)  # the shared system prompt is stored now
+    samples: dict[str, list[float]] = {"cold": [], "hit": [], "question alone": []}
+    for _ in range(reps):
+        samples["cold"].append(_ttft(url, system() + question()))
+        samples["hit"].append(_ttft(url, shared + question()))
+        samples["question alone"].append(_ttft(url, question()))
+    t = {k: Timing.of(v) for k, v in samples.items()}
+    ratio = t["hit"].median / t["question alone"].median
+    table = Table(f"Time to first token (ms) after a shared {length}-character system prompt",
+                  ["prompt", ":ms", ":/ question alone"])  # fmt: skip
+    for name, timing in t.items():
+        table.add(name, timing.cell(scale=1e3), f"{timing.median / t['question alone'].median:.2f}x")
+    targets = [Target("serve: time to first token on a prefix-store hit", "<= 1.5x the question alone",
+                      f"{ratio:.2f}x", ratio <= 1.5,
+                      "a hit also looks the prompt's chunks up, checks and rebuilds them, and its question attends "
+                      "over the system prompt; the question alone attends over nothing")]  # fmt: skip
+    return table, targets, {"ttft": t}
+
+
+def serve_scenario(mode: str) -> Section:
+    section = Section("serve", "11. kvcache serve: concurrent requests and prefix-store hits",
+                      (__doc__ or "").split("\n\n")[1])  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        server = _server(Path(tmp))
+        try:
+            for build in (throughput_table, ttft_table):
+                table, targets, figures = build(mode, server.url)
+                section.tables.append(table)
+                section.targets += targets
+                section.figures[build.__name__] = figures
+        finally:
+            server.terminate()
+    return section
+
+
+if __name__ == "__main__":
+    run_as_script(serve_scenario, __doc__)

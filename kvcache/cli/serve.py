@@ -1,0 +1,144 @@
+"""`kvcache serve`: serve the bundled model (or a transformers model directory) over an
+OpenAI-compatible HTTP API on 127.0.0.1 (docs/serve.md)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..errors import GenerationError
+
+API_KEY_ENV = "KVCACHE_API_KEY"
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve the bundled model (or --model DIR, a local transformers model) over an OpenAI-compatible "
+        "HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.",
+    )
+    parser.add_argument("--model", metavar="DIR", help="a local transformers model directory (default: the bundled "
+                        "character-level model)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    parser.add_argument("--prefix-store", metavar="DIR_OR_URL",
+                        help="a directory or Redis URL for prefixes (shared, survives restarts); default: memory")
+    parser.add_argument("--prefix-store-bytes", type=int, default=1 << 30, metavar="N",
+                        help="the prefix store's byte budget (default 1 GiB)")
+    parser.add_argument("--prefix-store-key-file", metavar="FILE", help="MAC key of the prefix store (see generate)")
+    parser.add_argument("--chunk-size", type=int, default=16, help="prefix-store chunk and prefill step (default 16)")
+    parser.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' (or set ${API_KEY_ENV}, or use "
+                        "--api-key-file: a flag's value is visible to other users of this machine)")
+    parser.add_argument("--api-key-file", metavar="FILE", help="read the API key from FILE")
+    parser.add_argument("--speculative", type=int, nargs="?", const=4, default=0, metavar="K",
+                        help="prompt-lookup speculative decoding with up to K draft tokens per row (default K=4)")
+    parser.add_argument("--max-batch", type=int, default=32, help="requests decoded together at most (default 32)")
+    parser.add_argument("--max-prompt-tokens", type=int, default=8192, help="longest prompt taken (default 8192)")
+    parser.add_argument("--max-tokens", type=int, default=4096, help="largest max_tokens taken (default 4096)")
+    parser.add_argument("--default-max-tokens", type=int, default=128, help="max_tokens when a request gives none")
+    parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
+    parser.add_argument("--dtype", choices=DTYPES, default=None, help="model dtype (default: the model's own)")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
+    parser.add_argument("--shutdown-timeout", type=float, default=10.0,
+                        help="seconds in-flight requests may take to finish after SIGTERM (default 10)")
+    parser.add_argument("--access-log", action="store_true", help="log every HTTP request on stderr")
+    names = {"max_bytes": "--prefix-store-bytes", "chunk_size": "--chunk-size"}
+    parser.set_defaults(func=run, flag_names=names)
+
+
+def _graceful_server_class() -> Any:
+    import contextlib
+    import signal
+    import threading
+
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn's server, except that after a graceful shutdown on SIGTERM/SIGINT the command
+        exits with status 0 (uvicorn re-raises the signal, which kills the process)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Any:  # type: ignore[override]
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return GracefulServer
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    if args.api_key_file:
+        key = Path(args.api_key_file).read_text().strip()
+    else:
+        key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if key is not None and not key:
+        raise GenerationError("the API key is empty")
+    return key
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+    except ImportError as exc:
+        raise GenerationError('kvcache serve needs the serve extra: pip install "kvcache[serve]"') from exc
+    import torch
+
+    from ..serve import bundled, create_app, from_directory
+    from ..serve.engine import Engine
+    from ..serve.schema import Limits
+    from ..store import PrefixStore, open_store
+    from .generate import store_key
+
+    server_class = _graceful_server_class()
+
+    for name in ("max_batch", "max_prompt_tokens", "max_tokens", "default_max_tokens", "max_body_bytes"):
+        if getattr(args, name) < 1:
+            raise GenerationError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 <= args.port < 65536:
+        raise GenerationError(f"--port must be in [0, 65535], got {args.port}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise GenerationError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    key = api_key(args)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    served = from_directory(args.model, dtype) if args.model else bundled(dtype or torch.float32)
+    namespace = served.identity
+    store_args = {"chunk_size": args.chunk_size, "max_bytes": args.prefix_store_bytes, "namespace": namespace,
+                  "key": store_key(args)}  # fmt: skip
+    store = open_store(args.prefix_store, **store_args) if args.prefix_store else PrefixStore(**store_args)
+    engine = Engine(served.model, store, eos=served.eos, speculative=args.speculative, max_batch=args.max_batch)
+    limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
+                    max_tokens=args.max_tokens, default_max_tokens=args.default_max_tokens)  # fmt: skip
+    app = create_app(served, engine, limits=limits, api_key=key)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=args.access_log,
+                            timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on")  # fmt: skip
+    server = server_class(config)
+
+    def announce() -> None:
+        sockets = [s for srv in getattr(server, "servers", []) for s in srv.sockets]
+        port = sockets[0].getsockname()[1] if sockets else args.port
+        auth = ", API key required" if key else ""
+        print(f"kvcache serve: {served.name} on http://{args.host}:{port}/v1 (prefix store {store.location}{auth})",
+              file=sys.stderr, flush=True)  # fmt: skip
+
+    original = server.startup
+
+    async def startup(sockets: Any = None) -> None:
+        await original(sockets=sockets)
+        announce()
+
+    server.startup = startup  # type: ignore[method-assign]
+    server.run()
+    return 0

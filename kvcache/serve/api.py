@@ -1,0 +1,250 @@
+"""The HTTP side of `kvcache serve`: OpenAI's completions and chat completions (streamed as
+server-sent events, or whole), models, health and Prometheus metrics, on Starlette.
+
+A request is checked (`schema`), tokenized and handed to the engine; its tokens come back one by
+one and are turned into text here: stop strings are found in the decoded text (the text that
+could still become one is held back while streaming), and a row whose stop string appeared
+leaves the batch at the engine's next step. A client that disconnects cancels its row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import sys
+import time
+import traceback
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..errors import KVCacheError
+from ..generation.sampling import Sampling
+from .engine import Engine, Request, asyncio_sink
+from .schema import ApiError, Limits, Params, chat_params, completion_params, parse_json
+from .served import ServedModel
+
+#: How often a non-streamed request checks whether its client is still there (seconds).
+DISCONNECT_POLL_S = 0.1
+
+
+class Completion:
+    """One request's tokens turned into text as they arrive, stop strings applied."""
+
+    def __init__(self, served: ServedModel, engine: Engine, request: Request, stops: list[str]) -> None:
+        self.served, self.engine, self.request, self.stops = served, engine, request, stops
+        self.queue: asyncio.Queue = asyncio.Queue()
+        request.on_event = asyncio_sink(asyncio.get_running_loop(), self.queue)
+        self.finish_reason: str | None = None
+        self.text = ""
+
+    async def deltas(self) -> AsyncIterator[str]:
+        """The new text after each token (possibly empty pieces are skipped); `finish_reason` is
+        set when it ends."""
+        holdback = max((len(s) for s in self.stops), default=1) - 1
+        sent = 0
+        try:
+            while True:
+                kind, value = await self.queue.get()
+                if kind == "error":
+                    raise ApiError(500, f"generation failed: {value}")
+                if kind == "done":
+                    self.finish_reason = "stop" if value == "stop" else "length" if value == "length" else value
+                    self.text = self.served.decode(self.request.tokens)
+                    if sent < len(self.text):
+                        yield self.text[sent:]
+                    return
+                text = self.served.decode(self.request.tokens)
+                cut = min((i for s in self.stops if (i := text.find(s, max(0, sent - len(s)))) >= 0), default=-1)
+                if cut >= 0:
+                    self.text, self.finish_reason = text[:cut], "stop"
+                    self.engine.finish_early(self.request)
+                    if sent < cut:
+                        yield text[sent:cut]
+                    return
+                safe = len(text) - holdback
+                if text.endswith("\ufffd"):  # an incomplete multi-byte character
+                    safe = min(safe, len(text) - 1)
+                if safe > sent:
+                    yield text[sent:safe]
+                    sent = safe
+        finally:
+            if self.finish_reason is None:
+                self.request.cancel()  # the client went away (or the stream was closed): the row leaves
+
+    def usage(self) -> dict[str, Any]:
+        prompt, completion = len(self.request.prompt), len(self.request.tokens)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": self.request.cached_tokens}}  # fmt: skip
+
+
+def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = None,
+               api_key: str | None = None) -> Starlette:  # fmt: skip
+    """The Starlette app serving `served` through `engine` (started and stopped with the app)."""
+    limits = limits or Limits()
+    metrics = engine.metrics
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    def endpoint(name: str, handler: Callable[[HttpRequest], Awaitable[Response]], *, auth: bool) -> Any:
+        async def run(request: HttpRequest) -> Response:
+            try:
+                if auth and api_key is not None:
+                    check_key(request, api_key)
+                response = await handler(request)
+            except ApiError as err:
+                response = JSONResponse(err.body(), status_code=err.status)
+            except Exception:  # a bug: logged here, never a traceback to the client
+                traceback.print_exc(file=sys.stderr)
+                response = JSONResponse(ApiError(500, "internal server error").body(), status_code=500)
+            metrics.requests.labels(name, str(response.status_code)).inc()
+            return response
+
+        return run
+
+    async def submit(http: HttpRequest, params: Params) -> Completion:
+        try:
+            prompt = params.prompt if isinstance(params.prompt, list) else served.encode(params.prompt)
+        except KVCacheError as err:
+            raise ApiError(400, f"the prompt cannot be encoded: {err}", param="prompt") from None
+        if any(not 0 <= t < served.vocab_size for t in prompt):
+            raise ApiError(400, f"prompt token ids must be in [0, {served.vocab_size})", param="prompt")
+        if len(prompt) > limits.max_prompt_tokens:
+            raise ApiError(400, f"the prompt has {len(prompt)} tokens, more than the {limits.max_prompt_tokens} "
+                           "this server takes", param="prompt", code="context_length_exceeded")  # fmt: skip
+        if engine.active["waiting"] >= limits.max_waiting:
+            raise ApiError(429, "the server is busy: too many requests are waiting, retry later")
+        sampling = Sampling(params.temperature > 0, params.temperature or 1.0, 0, params.top_p)
+        request = Request(prompt=prompt, max_tokens=params.max_tokens, sampling=sampling, seed=params.seed)
+        completion = Completion(served, engine, request, params.stop)
+        metrics.prompt_tokens.inc(len(prompt))
+        engine.submit(request)
+        return completion
+
+    async def read(http: HttpRequest) -> dict[str, Any]:
+        declared = http.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limits.max_body_bytes:
+            raise ApiError(413, f"the request body is larger than {limits.max_body_bytes} bytes")
+        chunks, size = [], 0
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > limits.max_body_bytes:
+                raise ApiError(413, f"the request body is larger than {limits.max_body_bytes} bytes")
+            chunks.append(chunk)
+        return parse_json(b"".join(chunks))
+
+    async def generate(http: HttpRequest, chat: bool) -> Response:
+        body = await read(http)
+        params = (chat_params if chat else completion_params)(body, served.name, limits)
+        if chat:
+            try:
+                params.prompt = served.chat_prompt(params.messages or [])
+            except KVCacheError as err:
+                raise ApiError(400, str(err), param="messages") from None
+        completion = await submit(http, params)
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
+                "model": served.name}  # fmt: skip
+        if params.stream:
+            return StreamingResponse(_events(completion, head, chat, params.include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})  # fmt: skip
+        watcher = asyncio.create_task(_watch(http, completion))
+        try:
+            text = "".join([piece async for piece in completion.deltas()])
+        finally:
+            watcher.cancel()
+        choice: dict[str, Any] = {"index": 0, "finish_reason": completion.finish_reason}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice.update(text=text, logprobs=None)
+        kind = "chat.completion" if chat else "text_completion"
+        return JSONResponse({**head, "object": kind, "choices": [choice], "usage": completion.usage()})
+
+    async def completions(http: HttpRequest) -> Response:
+        return await generate(http, chat=False)
+
+    async def chat_completions(http: HttpRequest) -> Response:
+        return await generate(http, chat=True)
+
+    async def models(http: HttpRequest) -> Response:
+        card = {"id": served.name, "object": "model", "created": 0, "owned_by": "kvcache"}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(http: HttpRequest) -> Response:
+        return JSONResponse({"status": "ok", "model": served.name, **engine.active})
+
+    async def metrics_text(http: HttpRequest) -> Response:
+        return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def http_error(http: HttpRequest, exc: Exception) -> Response:
+        status = getattr(exc, "status_code", 500)
+        detail = "no such endpoint" if status == 404 else "method not allowed" if status == 405 else str(exc)
+        return JSONResponse(ApiError(status, f"{http.method} {http.url.path}: {detail}").body(), status_code=status)
+
+    routes = [
+        Route("/v1/completions", endpoint("completions", completions, auth=True), methods=["POST"]),
+        Route("/v1/chat/completions", endpoint("chat", chat_completions, auth=True), methods=["POST"]),
+        Route("/v1/models", endpoint("models", models, auth=True), methods=["GET"]),
+        Route("/health", endpoint("health", health, auth=False), methods=["GET"]),
+        Route("/metrics", endpoint("metrics", metrics_text, auth=False), methods=["GET"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+
+
+def check_key(request: HttpRequest, key: str) -> None:
+    given = request.headers.get("authorization", "")
+    scheme, _, token = given.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise ApiError(401, "a valid API key is required (Authorization: Bearer <key>)", code="invalid_api_key")
+
+
+async def _watch(http: HttpRequest, completion: Completion) -> None:
+    """Cancel a non-streamed request whose client went away."""
+    while completion.finish_reason is None:
+        if await http.is_disconnected():
+            completion.request.cancel()
+            return
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+async def _events(completion: Completion, head: dict[str, Any], chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    """The SSE stream of one completion, as OpenAI sends it, ending with `data: [DONE]`."""
+    import json
+
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(delta: str | None, finish: str | None, first: bool = False) -> str:
+        if chat:
+            piece: dict[str, Any] = {} if delta is None else {"content": delta}
+            if first:
+                piece = {"role": "assistant", "content": ""}
+            choice = {"index": 0, "delta": piece, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+        return f"data: {json.dumps({**head, 'object': kind, 'choices': [choice]})}\n\n"
+
+    if chat:
+        yield chunk(None, None, first=True)
+    try:
+        async for piece in completion.deltas():
+            yield chunk(piece, None)
+    except ApiError as err:
+        yield f"data: {json.dumps(err.body())}\n\n"
+        return
+    yield chunk(None, completion.finish_reason)
+    if include_usage:
+        yield f"data: {json.dumps({**head, 'object': kind, 'choices': [], 'usage': completion.usage()})}\n\n"
+    yield "data: [DONE]\n\n"

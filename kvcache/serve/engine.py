@@ -1,0 +1,300 @@
+"""The server's decoding engine: one thread that owns the model and decodes every request together.
+
+Each loop turn does, in order: admit newcomers; feed *one* chunk of the prompt of the request
+being prefilled (alone, through the prefix store, so its prefill stalls the running batch by one
+bounded chunk at most); join the requests whose prefill is done into the batch (`rows.stack`);
+run one decode step for every row (one forward, per-row positions and padding mask); hand each
+row its token; let finished and cancelled rows leave (`batch_select_indices`). Every chunk
+boundary a row's cache reaches is stored (`StoreSession.advance`), so the next turn of a chat finds
+the previous answer. With prompt lookup (`speculative=True`) each step drafts per row, verifies all
+rows in one forward and crops each row by its own count (`Cache.crop` with per-row counts).
+
+Requests talk to the engine through thread-safe queues: `submit` from the web server's event
+loop, events (`token`, `done`, `error`) back into each request's own asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..cache import Cache
+from ..errors import CacheInputError
+from ..generation.drafters import PromptLookupDrafter
+from ..generation.sampling import Sampling
+from ..store.payloads import capture, model_module
+from . import rows as batch_rows
+from .metrics import Metrics
+
+#: Rows decoded together at most; newcomers wait while the batch is full.
+MAX_BATCH = 32
+
+
+@dataclass
+class Request:
+    """One completion: its prompt ids and parameters, and what the engine fills in."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: Sampling
+    seed: int | None = None
+    stop_ids: frozenset[int] = frozenset()
+    id: str = ""
+    on_event: Callable[[tuple[str, Any]], None] = lambda event: None
+    created: float = field(default_factory=time.monotonic)
+    cancelled: bool = False
+    # filled in by the engine
+    tokens: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+    first_token_at: float | None = None
+    generator: torch.Generator | None = None
+    session: Any = None
+    cache: Cache | None = None
+    steps: Any = None
+    pending: int | None = None  # the token to feed at the next decode step
+    drafter: PromptLookupDrafter | None = None
+
+    def cancel(self) -> None:
+        """Ask the engine to drop this request at its next step (a client that went away)."""
+        self.cancelled = True
+
+
+def asyncio_sink(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> Callable[[tuple[str, Any]], None]:
+    """An `on_event` that hands the engine's events to `queue` on `loop` (thread-safe)."""
+    return lambda event: loop.call_soon_threadsafe(queue.put_nowait, event)
+
+
+class Engine:
+    """Continuous batching over `model` (kvcache protocol, its `new_cache()` dynamic layers) with a
+    prefix `store` (a `PrefixStore`; every request goes through it)."""
+
+    def __init__(self, model: Any, store: Any, *, eos: list[int], metrics: Metrics | None = None,
+                 speculative: int = 0, max_batch: int = MAX_BATCH) -> None:  # fmt: skip
+        self.model, self.store, self.eos = model, store, frozenset(eos)
+        self.metrics = metrics or Metrics()
+        self.speculative, self.max_batch = speculative, max_batch
+        module = model_module(model)
+        param = None if module is None else next(iter(module.parameters()), None)
+        self.device = torch.device("cpu") if param is None else param.device
+        self._inbox: deque[Request] = deque()
+        self._wake = threading.Condition()
+        self._prefilling: deque[Request] = deque()
+        self._ready: list[Request] = []
+        self._rows: list[Request] = []
+        self._pads: list[int] = []
+        self._cache: Cache | None = None
+        self._stopping = False
+        self._ids = itertools.count(1)
+        self._thread = threading.Thread(target=self._run, name="kvcache-engine", daemon=True)
+        if speculative:
+            from ..generation.switches import row_states
+
+            able, switch = row_states(model, None)
+            if not able and any(layer.has_recurrent for layer in model.new_cache()):
+                raise CacheInputError(
+                    f"--speculative: {type(model).__name__} cannot record every token's recurrent state in a "
+                    "verify forward (no set_return_intermediate_states / set_per_token_recurrence)"
+                )
+            switch(True)  # for the server's lifetime
+
+    # ------------------------------------------------------------------------- interface
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel what is left and end the thread."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    def submit(self, request: Request) -> Request:
+        request.id = request.id or f"req-{next(self._ids)}"
+        with self._wake:
+            self._inbox.append(request)
+            self._wake.notify()
+        return request
+
+    @property
+    def active(self) -> dict[str, int]:
+        """Requests waiting, prefilling, running; and whether a batch cache is held (for health
+        checks and the load test's leak check)."""
+        return {"waiting": len(self._inbox), "prefilling": len(self._prefilling) + len(self._ready),
+                "running": len(self._rows), "batch_cache": int(self._cache is not None)}  # fmt: skip
+
+    # ------------------------------------------------------------------------------ loop
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._wake:
+                while not (self._stopping or self._inbox or self._prefilling or self._ready or self._rows):
+                    self._wake.wait()
+                if self._stopping:
+                    break
+                while self._inbox:
+                    self._prefilling.append(self._inbox.popleft())
+            try:
+                self._turn()
+            except Exception as exc:  # a bug or an unusable model: every request learns why, the loop goes on
+                traceback.print_exc()
+                for request in [*self._prefilling, *self._ready, *self._rows]:
+                    request.on_event(("error", f"{type(exc).__name__}: {exc}"))
+                self._prefilling.clear()
+                self._ready.clear()
+                self._drop_batch()
+        for request in [*self._inbox, *self._prefilling, *self._ready, *self._rows]:
+            request.on_event(("error", "the server is shutting down"))
+        self._drop_batch()
+
+    def _turn(self) -> None:
+        self._drop_cancelled()
+        if self._prefilling and len(self._rows) + len(self._ready) < self.max_batch:
+            self._prefill_chunk(self._prefilling[0])
+        if self._ready:
+            self._join()
+        if self._rows:
+            self._decode_step()
+        self.metrics.batch_size.set(len(self._rows))
+
+    def _drop_cancelled(self) -> None:
+        for request in [r for r in [*self._prefilling, *self._ready] if r.cancelled]:
+            (self._prefilling if request in self._prefilling else self._ready).remove(request)
+            self._finish(request, request.finish_reason or "cancelled")
+        gone = [i for i, r in enumerate(self._rows) if r.cancelled]
+        if gone:
+            for i in gone:
+                self._finish(self._rows[i], self._rows[i].finish_reason or "cancelled")
+            self._keep([i for i in range(len(self._rows)) if i not in gone])
+
+    # --------------------------------------------------------------------------- prefill
+    def _prefill_chunk(self, request: Request) -> None:
+        """One bounded piece of `request`'s prefill: its lookup, one chunk, or its last tokens."""
+        if request.steps is None:
+            request.session = self.store.session(self.model)
+            request.steps = request.session.prefill_steps(request.prompt)
+            request.cached_tokens, request.cache = next(request.steps)
+            self.metrics.prefix_lookups.inc()
+            if request.cached_tokens:
+                self.metrics.prefix_hits.inc()
+                self.metrics.tokens_reused.inc(request.cached_tokens)
+            return
+        if next(request.steps, None) is not None:
+            return
+        cache, held = request.cache, request.session.length
+        rest = torch.tensor([request.prompt[held:]], dtype=torch.long, device=self.device)
+        positions = torch.arange(held, len(request.prompt), device=self.device)[None]
+        logits = self.model(rest, cache=cache, position_ids=positions)[:, -1]
+        request.session.advance(request.prompt[held:], lambda s, e: [capture(layer, s, e) for layer in cache])
+        if request.seed is not None:
+            request.generator = torch.Generator(device=self.device).manual_seed(request.seed)
+        self._prefilling.popleft()
+        if request.cancelled:
+            self._finish(request, "cancelled")
+            return
+        if self.speculative:
+            request.drafter = PromptLookupDrafter()
+            request.drafter.start(request.prompt, device=self.device)
+        self._emit(request, self._choose(request, logits))
+        if request.finish_reason is None:
+            self._ready.append(request)
+
+    # ------------------------------------------------------------------------------ batch
+    def _join(self) -> None:
+        """Stack the ready requests' caches into the running batch (one copy of the batch)."""
+        current = batch_rows.rows_of(self._cache, self._pads) if self._cache is not None else []
+        joining = [batch_rows.single(r.cache) for r in self._ready]
+        self._cache, self._pads = batch_rows.stack(current + joining)
+        for request in self._ready:
+            request.cache = None  # its content lives in the batch now
+        self._rows += self._ready
+        self._ready = []
+
+    def _keep(self, keep: list[int]) -> None:
+        """Only rows `keep` stay (finished and cancelled rows leave)."""
+        if not keep:
+            self._drop_batch()
+            return
+        if len(keep) < len(self._rows):
+            self._cache.batch_select_indices(torch.tensor(keep, dtype=torch.long))  # type: ignore[union-attr]
+            self._rows = [self._rows[i] for i in keep]
+            self._pads = [self._pads[i] for i in keep]
+
+    def _drop_batch(self) -> None:
+        self._cache, self._rows, self._pads = None, [], []
+
+    def _decode_step(self) -> None:
+        if self.speculative:
+            from .speculation import speculative_step
+
+            speculative_step(self)
+            return
+        rows, cache = self._rows, self._cache
+        assert cache is not None
+        ids = torch.tensor([[r.pending] for r in rows], dtype=torch.long, device=self.device)
+        logits = self.model(ids, cache=cache, **self.row_inputs(1))[:, -1]
+        keep = []
+        for b, request in enumerate(rows):
+            fed = request.pending
+            request.session.advance([fed], self.row_capture(b))
+            self._emit(request, self._choose(request, logits[b : b + 1]))
+            if request.finish_reason is None:
+                keep.append(b)
+        self._keep(keep)
+
+    def row_inputs(self, width: int) -> dict[str, torch.Tensor]:
+        """Position ids and the padding mask of a forward of `width` tokens per row."""
+        device = self.device
+        lengths = torch.tensor([r.session.length for r in self._rows], device=device)[:, None]
+        positions = lengths + torch.arange(width, device=device)
+        physical = self._cache.get_seq_length() + width  # type: ignore[union-attr]
+        pads = torch.tensor(self._pads, device=device)[:, None]
+        out = {"position_ids": positions}
+        if any(self._pads):
+            out["attention_mask"] = (torch.arange(physical, device=device)[None] >= pads).long()
+        return out
+
+    def row_capture(self, b: int) -> Callable[[int, int], list[Any]]:
+        """What the prefix store keeps of row `b`'s chunk `[start, end)`."""
+        return lambda start, end: batch_rows.row_payloads(self._cache, b, self._pads[b], start, end)  # type: ignore[arg-type]
+
+    # ---------------------------------------------------------------------------- tokens
+    def _choose(self, request: Request, logits: torch.Tensor) -> int:
+        scores = request.sampling.scores(logits)
+        if not request.sampling.do_sample:
+            return int(scores.argmax(-1))
+        return int(torch.multinomial(scores.softmax(-1), 1, generator=request.generator))
+
+    def _emit(self, request: Request, token: int) -> None:
+        """Hand `token` to the request; decide whether it is done (an end token, `max_tokens`)."""
+        now = time.monotonic()
+        if request.first_token_at is None:
+            request.first_token_at = now
+            self.metrics.time_to_first_token.observe(now - request.created)
+        request.tokens.append(token)
+        request.pending = token
+        self.metrics.generated_tokens.inc()
+        request.on_event(("token", token))
+        if token in self.eos or token in request.stop_ids:
+            self._finish(request, "stop")
+        elif len(request.tokens) >= request.max_tokens:
+            self._finish(request, "length")
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.finish_reason = reason
+        request.cache = request.steps = None
+        request.on_event(("done", reason))
+
+    def finish_early(self, request: Request, reason: str = "stop") -> None:
+        """Called from the web side when a stop string appeared: the row leaves at its next step."""
+        request.cancelled = True
+        request.finish_reason = reason

@@ -1,0 +1,171 @@
+"""A server's running batch: the caches of several requests as the rows of one cache.
+
+Rows are right-aligned: every row ends at the same physical position `P`, and row b's real tokens
+are the last `P - pad[b]` (its first `pad[b]` slots are padding that its attention mask hides, as
+in a left-padded batch). A decode step then appends one token to every row with one forward, at
+positions taken from each row's own length. A request joins by `stack`: its own cache (prefilled
+alone, through the prefix store) and every row already running are laid out again around the new
+longest row. This copies the batch once per join (not per token), and normalizes whatever the
+rows went through (per-row crops, left padding no longer needed). A row's content comes out of the
+batch as a batch-1 layer of its real tokens only (`row_state`), which is also what the prefix
+store captures at a row's chunk boundaries (`row_payloads`).
+
+Layers must be committed (no rollback history) when rows are stacked or read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..cache import Cache
+from ..errors import CacheInputError
+from ..layers.base import LAYER_REGISTRY, CacheLayer
+from ..layers.dynamic import DynamicLayer
+from ..layers.empty import EmptyLayer
+from ..layers.hybrid import HybridLayer
+from ..layers.recurrent import RecurrentLayer
+from ..layers.sliding import SlidingWindowLayer
+from ..store.payloads import Delta, Payload, WindowDelta, capture
+
+#: (class name, meta_state, state) of a batch-1 layer: one row's content.
+RowState = tuple[str, dict[str, Any], dict[str, torch.Tensor]]
+
+
+def row_state(layer: CacheLayer, r: int, pad: int) -> RowState:
+    """Row `r` of `layer` (committed) as a batch-1 layer of its real tokens (the physical slots
+    after its `pad` padding ones); tensors are views."""
+    if isinstance(layer, HybridLayer):
+        parts = {name: row_state(getattr(layer, name), r, pad) for name in ("attention", "recurrent")}
+        state = {f"{name}.{k}": v for name, (_, _, s) in parts.items() for k, v in s.items()}
+        meta = {name: {"class": cls, "meta_state": m} for name, (cls, m, _) in parts.items()}
+        return "HybridLayer", meta, state
+    if isinstance(layer, EmptyLayer):
+        return "EmptyLayer", {"record_past": False}, {}
+    length = layer.row_lengths()[r]  # physical: padding included
+    real = length - pad
+    if type(layer) is SlidingWindowLayer:
+        meta, held = layer.meta_state, layer.state
+        kept_from = meta["seq_length"] - meta["kept_length"]
+        window = min(layer.sliding_window - 1, real)
+        keys, values = (held[name][r : r + 1, :, length - window - kept_from : length - kept_from]
+                        for name in ("keys", "values"))  # fmt: skip
+        return "SlidingWindowLayer", {"sliding_window": layer.sliding_window, "seq_length": real,
+                                      "kept_length": window, "seq_length_at_commit": 0,
+                                      "record_past": False}, {"keys": keys, "values": values}  # fmt: skip
+    if type(layer) is DynamicLayer:
+        held = layer.state
+        state = {name: held[name][r : r + 1, :, pad:length] for name in ("keys", "values")}
+        return "DynamicLayer", {"seq_length": real, "record_past": False}, state
+    if type(layer) is RecurrentLayer:
+        state, slots = {}, []
+        for s in range(layer.num_states):
+            conv, rec = layer.get_conv_state(s), layer.get_recurrent_state(s)
+            if conv is not None:
+                state[f"conv.{s}"] = conv[r : r + 1]
+            if rec is not None:
+                state[f"recurrent.{s}"] = rec[r : r + 1]
+            kernel = None if conv is None else conv.shape[-1]
+            slots.append({"kernel": kernel, "conv_columns": kernel or 0, "conv_from_empty": True,
+                          "seen": real if (conv is not None or rec is not None) else 0, "open_tokens": None,
+                          "open_at_commit": None, "steps": []})  # fmt: skip
+        return "RecurrentLayer", {"num_states": layer.num_states, "record_past": False, "slots": slots}, state
+    raise CacheInputError(f"a server batch holds dynamic layers only, not {type(layer).__name__}")
+
+
+def row_layer(layer: CacheLayer, r: int, pad: int) -> CacheLayer:
+    """Row `r` of `layer` as a batch-1 layer of its own (copies)."""
+    cls, meta, state = row_state(layer, r, pad)
+    return LAYER_REGISTRY[cls].from_state(meta, {k: v.clone() for k, v in state.items()})
+
+
+def row_payloads(cache: Cache, r: int, pad: int, start: int, end: int) -> list[Payload]:
+    """What the prefix store keeps for row `r`'s chunk `[start, end)` (the row holding exactly
+    `end` real tokens): as `payloads.capture` takes it from a batch-1 cache, without copying more
+    than the chunk of a full-attention layer."""
+    return [_row_payload(layer, r, pad, start, end) for layer in cache]
+
+
+def _row_payload(layer: CacheLayer, r: int, pad: int, start: int, end: int) -> Payload:
+    if type(layer) is DynamicLayer:
+        held = layer.state
+        return Delta(*(held[name][r : r + 1, :, pad + start : pad + end].clone() for name in ("keys", "values")))
+    if type(layer) is SlidingWindowLayer and layer.sliding_window - 1 >= end - start:
+        _, _, state = row_state(layer, r, pad)
+        n = end - start
+        return WindowDelta(state["keys"][:, :, -n:].clone(), state["values"][:, :, -n:].clone(), layer.sliding_window)
+    if isinstance(layer, HybridLayer):
+        from ..store.payloads import HybridPayload
+
+        return HybridPayload(_row_payload(layer.attention, r, pad, start, end),  # type: ignore[arg-type]
+                             _row_payload(layer.recurrent, r, pad, start, end))  # type: ignore[arg-type]  # fmt: skip
+    return capture(row_layer(layer, r, pad), start, end)
+
+
+def _stack_layer(rows: list[RowState]) -> CacheLayer:
+    """One layer whose rows are `rows` (batch-1 states of one kind), right-aligned."""
+    cls, meta0, _ = rows[0]
+    if cls == "HybridLayer":
+        parts = []
+        for name in ("attention", "recurrent"):
+            prefix = f"{name}."
+            parts.append(_stack_layer([(m[name]["class"], m[name]["meta_state"],
+                                        {k[len(prefix):]: v for k, v in s.items() if k.startswith(prefix)})
+                                       for _, m, s in rows]))  # fmt: skip
+        return HybridLayer(*parts)
+    if cls == "EmptyLayer":
+        return EmptyLayer()
+    if cls == "RecurrentLayer":
+        longest = max(m["slots"][0]["seen"] for _, m, _ in rows)
+        state = {name: torch.cat([s[name] for _, _, s in rows]) for name in rows[0][2]}
+        slots = [{**slot, "seen": longest if slot["seen"] else 0} for slot in meta0["slots"]]
+        return RecurrentLayer.from_state({**meta0, "slots": slots}, state)
+    reals = [m["seq_length"] for _, m, _ in rows]
+    longest = max(reals)
+    if cls == "SlidingWindowLayer":
+        kept = min(meta0["sliding_window"] - 1, longest)
+        meta = {**meta0, "seq_length": longest, "kept_length": kept}
+    else:
+        kept, meta = longest, {"seq_length": longest, "record_past": False}
+    state = {}
+    for name in ("keys", "values"):
+        like = rows[0][2][name]
+        out = like.new_zeros(len(rows), like.shape[1], kept, like.shape[3])  # padding: finite, masked
+        for b, (_, _, s) in enumerate(rows):
+            n = s[name].shape[2]
+            if n:
+                out[b, :, kept - n :] = s[name][0]
+        state[name] = out
+    return LAYER_REGISTRY[cls].from_state(meta, state)
+
+
+def stack(rows: list[list[RowState]]) -> tuple[Cache, list[int]]:
+    """A batch cache of `rows` (each a list of per-layer row states, one model's layers) and each
+    row's padding: the rows right-aligned at the longest one's length."""
+    layers = [_stack_layer([row[i] for row in rows]) for i in range(len(rows[0]))]
+    reals = [_real_length(row) for row in rows]
+    longest = max(reals)
+    return Cache(layers), [longest - n for n in reals]
+
+
+def _real_length(row: list[RowState]) -> int:
+    for cls, meta, _ in row:
+        if cls in ("DynamicLayer", "SlidingWindowLayer"):
+            return meta["seq_length"]
+        if cls == "HybridLayer":
+            return meta["attention"]["meta_state"]["seq_length"]
+    for cls, meta, _ in row:
+        if cls == "RecurrentLayer":
+            return max(slot["seen"] for slot in meta["slots"])
+    return 0
+
+
+def rows_of(cache: Cache, pads: list[int]) -> list[list[RowState]]:
+    """Every row of a batch cache as per-layer row states (views)."""
+    return [[row_state(layer, r, pad) for layer in cache] for r, pad in enumerate(pads)]
+
+
+def single(cache: Cache) -> list[RowState]:
+    """A batch-1 cache (a request prefilled alone) as the row states `stack` takes."""
+    return [row_state(layer, 0, 0) for layer in cache]

@@ -1,0 +1,162 @@
+"""The OpenAI request bodies the server takes, checked field by field, and its error answers.
+
+Every bad request is an `ApiError`: the status (400 for a malformed or out-of-range field, 401
+without the API key, 404 for another model or path, 413 for a body too large, 429 when the queue
+is full) and OpenAI's error JSON, `{"error": {"message", "type", "param", "code"}}`, never a
+traceback. Fields OpenAI defines that this server does not implement are accepted only at their
+neutral value (`n=1`, `logprobs` off, penalties 0, ...); unknown fields are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict[str, Any]:
+        kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
+            self.status, "invalid_request_error" if self.status < 500 else "server_error")  # fmt: skip
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+#: Fields accepted only at these values (OpenAI defines them; this server does not implement them).
+NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "presence_penalty": 0,
+           "frequency_penalty": 0, "logit_bias": None, "suffix": None, "tools": None, "tool_choice": None,
+           "response_format": None, "parallel_tool_calls": None}  # fmt: skip
+#: Fields accepted and ignored (they change nothing here).
+IGNORED = {"user", "metadata", "store", "service_tier"}
+COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options"}
+COMPLETION_FIELDS = COMMON | {"prompt"} | set(NEUTRAL) | IGNORED
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"} | set(NEUTRAL) | IGNORED
+
+
+@dataclass
+class Limits:
+    max_body_bytes: int = 1 << 20
+    max_prompt_tokens: int = 8192
+    max_tokens: int = 4096
+    default_max_tokens: int = 128
+    max_waiting: int = 256
+
+
+@dataclass
+class Params:
+    """A checked request: the prompt (text, or token ids) and the generation parameters."""
+
+    prompt: str | list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    messages: list[dict[str, str]] | None = None
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON ({exc})", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+def _number(body: dict[str, Any], name: str, default: float, low: float, high: float, *,
+            low_open: bool = False) -> float:  # fmt: skip
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ApiError(400, f"{name} must be a number, got {value!r}", param=name)
+    if value < low or value > high or (low_open and value == low):
+        span = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+        raise ApiError(400, f"{name} must be in {span}, got {value!r}", param=name)
+    return float(value)
+
+
+def _integer(value: Any, name: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError(400, f"{name} must be an integer, got {value!r}", param=name)
+    if not low <= value <= high:
+        raise ApiError(400, f"{name} must be in [{low}, {high}], got {value}", param=name)
+    return value
+
+
+def _common(body: dict[str, Any], allowed: set[str], model: str, limits: Limits, max_name: str) -> Params:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise ApiError(400, f"unrecognized request argument(s): {', '.join(unknown)}", param=unknown[0])
+    for name, neutral in NEUTRAL.items():
+        if name in body and body[name] is not None and body[name] != neutral:
+            raise ApiError(400, f"{name}={body[name]!r} is not supported by this server (only {neutral!r})",
+                           param=name)  # fmt: skip
+    given = body.get("model")
+    if given is not None and given != model:
+        raise ApiError(404, f"the model {given!r} does not exist; this server serves {model!r}", param="model",
+                       code="model_not_found")  # fmt: skip
+    maximum = body.get(max_name, body.get("max_tokens"))
+    max_tokens = limits.default_max_tokens if maximum is None else _integer(maximum, max_name, 1, limits.max_tokens)
+    seed = body.get("seed")
+    if seed is not None:
+        seed = _integer(seed, "seed", -(2**63), 2**63 - 1)
+    stop = body.get("stop")
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
+        raise ApiError(400, f"stop must be a non-empty string or a list of up to 4 of them, got {stop!r}", param="stop")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, f"stream must be a boolean, got {stream!r}", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise ApiError(400, f"stream_options must be an object with a boolean include_usage, got {options!r}",
+                       param="stream_options")  # fmt: skip
+    return Params(prompt="", max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+                  top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), seed=seed, stop=stops, stream=stream,
+                  include_usage=bool(options.get("include_usage", False)))  # fmt: skip
+
+
+def completion_params(body: dict[str, Any], model: str, limits: Limits) -> Params:
+    params = _common(body, COMPLETION_FIELDS, model, limits, "max_tokens")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    ids = isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    if ids or (isinstance(prompt, str) and prompt):
+        params.prompt = prompt
+    else:
+        raise ApiError(400, "prompt must be a non-empty string (or one list of token ids)", param="prompt")
+    return params
+
+
+def chat_params(body: dict[str, Any], model: str, limits: Limits) -> Params:
+    params = _common(body, CHAT_FIELDS, model, limits, "max_completion_tokens")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list", param="messages")
+    checked = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant", "developer"):
+            raise ApiError(400, f"messages[{i}] must be an object with a role of system, user or assistant",
+                           param=f"messages[{i}]")  # fmt: skip
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):  # fmt: skip
+                raise ApiError(400, f"messages[{i}].content parts must all be text", param=f"messages[{i}].content")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string", param=f"messages[{i}].content")
+        role = "system" if message["role"] == "developer" else message["role"]
+        checked.append({"role": role, "content": content})
+    params.messages = checked
+    return params

@@ -1,0 +1,96 @@
+"""The model a server serves, with its tokenizer and chat template: the bundled default model, or
+a transformers model from a local directory (`wrap_model` inside).
+
+The bundled model's chat template is plain text, one line per message:
+
+    System: <content>\\n       User: <content>\\n       Assistant:<content>\\n
+
+and the prompt ends with `Assistant:`, where the model continues. The assistant line has no space
+after the colon: the model writes what follows, so a client that sends an answer back as the
+next turn's assistant message (unchanged) makes a prompt that starts with the previous prompt and
+answer token for token, and the prefix store reuses both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CacheInputError
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass
+class ServedModel:
+    """`model` (kvcache protocol), `name` (the API's model id), `identity` (the prefix store's
+    namespace: it names the weights), `eos` ids, and text <-> ids."""
+
+    model: Any
+    name: str
+    eos: list[int]
+    tokenizer: Any
+    kind: str  # "bundled" or "transformers"
+    identity: str = ""
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.vocab_size)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; `CacheInputError` for characters the model cannot read."""
+        if self.kind == "bundled":
+            unknown = self.tokenizer.unknown_characters(text)
+            if unknown:
+                shown = "".join(unknown[:20])
+                raise CacheInputError(f"{len(unknown)} character(s) outside the model's alphabet: {shown!r}")
+            return self.tokenizer.encode(text)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        if self.kind == "bundled":
+            return self.tokenizer.decode(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+        """The prompt text of a conversation (see the module docstring for the bundled template; a
+        transformers tokenizer's own chat template otherwise)."""
+        if self.kind == "bundled":
+            lines = []
+            for message in messages:
+                role, content = message["role"], message["content"]
+                lines.append(f"Assistant:{content}\n" if role == "assistant" else f"{role.capitalize()}: {content}\n")
+            return "".join(lines) + "Assistant:"
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise CacheInputError(f"the tokenizer of {self.name} has no chat template: use /v1/completions")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def bundled(dtype: torch.dtype = torch.float32) -> ServedModel:
+    """The bundled character-level model (`kvcache generate`'s)."""
+    from ..cli.generate import model_id
+    from ..models import default
+
+    model, tokenizer = default.load_default_model(dtype=dtype)
+    return ServedModel(model, "kvcache-default", [], tokenizer, "bundled", model_id(default.WEIGHTS_DIR))
+
+
+def from_directory(path: str | Path, dtype: torch.dtype | None = None) -> ServedModel:
+    """A transformers causal LM and its tokenizer saved in `path` (local files only)."""
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as exc:
+        raise CacheInputError('--model needs transformers: pip install "kvcache[transformers]"') from exc
+    from ..integrations.transformers import wrap_model
+
+    where = Path(path)
+    if not where.is_dir():
+        raise CacheInputError(f"--model {path}: not a directory (a local transformers model is expected)")
+    hf = AutoModelForCausalLM.from_pretrained(where, local_files_only=True, dtype=dtype or "auto").eval()
+    tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=True)
+    wrapped = wrap_model(hf)
+    eos = wrapped.eos_token_id or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+    return ServedModel(wrapped, where.name, list(eos), tokenizer, "transformers", str(where.resolve()))

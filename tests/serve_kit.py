@@ -1,0 +1,73 @@
+"""A `kvcache serve` process of the test's own on a free loopback port: started with a bounded wait
+for `/health`, stopped with SIGTERM (and its exit status checked), its memory read from /proc."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from servers import free_port
+
+START_TIMEOUT_S = 60.0
+
+
+class ServeProcess:
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.args = args
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen[str] | None = None
+        self.stderr_path: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, log: Path) -> ServeProcess:
+        self.stderr_path = log
+        argv = [sys.executable, "-m", "kvcache", "serve", "--port", str(self.port), *self.args]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log.open("w"), env=self.env, text=True)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"kvcache serve did not start: {log.read_text()[-2000:]}")
+            time.sleep(0.1)
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=10).json()
+
+    def rss_bytes(self) -> int:
+        assert self.proc is not None
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        """SIGTERM, then the exit status (SIGKILL after `timeout`)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+            return -9
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.terminate()
+
+    def log(self) -> str:
+        return self.stderr_path.read_text() if self.stderr_path else ""

@@ -1,0 +1,323 @@
+"""`kvcache serve` through the official `openai` client (and raw HTTP where a client would hide
+the answer), against a server process started on a free loopback port: completions and chat,
+streamed and whole, each greedy answer equal to the same prompt decoded alone (also 16 at once,
+and with prompt-lookup speculation), a second chat turn reusing the first, stop strings, seeds,
+OpenAI-style errors for bad requests, the API key, disconnects, SIGTERM and metrics.
+
+The server runs the bundled model in float64 here: batched and single-row kernels differ in the
+last bits (about 1e-15 in float64, 1e-6 in float32), far below the logit gaps, so greedy tokens
+must be identical; in float32 a near tie can flip now and then (`benchmarks/serve.py` counts
+how often).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+from serve_kit import ServeProcess  # noqa: E402
+
+from kvcache.generation import generate  # noqa: E402
+from kvcache.models import load_default_model  # noqa: E402
+from kvcache.serve.served import bundled  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+MODEL = "kvcache-default"
+WORDS = ("value", "name", "object", "method", "class", "list", "module", "type", "key", "file", "string", "number",
+         "return", "error", "index", "loop")  # fmt: skip
+PROMPTS = [f"The {w} of the " for w in WORDS]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The bundled model in float64, and `alone(text, n)`: the greedy continuation of one prompt
+    decoded by itself (`generate`, batch 1)."""
+    model, tokenizer = load_default_model(dtype=torch.float64)
+
+    def alone(text: str, n: int) -> str:
+        ids = torch.tensor([tokenizer.encode(text)])
+        return tokenizer.decode(generate(model, ids, max_new_tokens=n).sequences[0, ids.shape[1] :].tolist())
+
+    return alone
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    process = ServeProcess("--dtype", "float64", "--threads", "1")
+    process.start(tmp_path_factory.mktemp("serve") / "stderr.log")
+    yield process
+    assert process.terminate() == 0, process.log()
+
+
+def client(server: ServeProcess, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def test_completions_and_chat_streamed_and_whole_equal_a_run_alone(server, reference) -> None:
+    c = client(server)
+    prompt = "The value of the "
+    want = reference(prompt, 40)
+    whole = c.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0)
+    assert whole.choices[0].text == want and whole.choices[0].finish_reason == "length"
+    assert whole.usage.prompt_tokens == len(prompt) and whole.usage.completion_tokens == 40
+    assert whole.usage.total_tokens == len(prompt) + 40
+    chunks = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == want and chunks[-1].choices[0].finish_reason == "length"
+    messages = [{"role": "system", "content": "You answer."}, {"role": "user", "content": "What does a cache hold?"}]
+    chat_want = reference(bundled().chat_prompt(messages), 30)
+    answer = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0)
+    assert answer.choices[0].message.content == chat_want and answer.choices[0].message.role == "assistant"
+    streamed = list(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0,
+                                              stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    assert streamed[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == chat_want
+    assert streamed[-1].usage.completion_tokens == 30 and streamed[-1].choices == []
+    # and the command line's own greedy run of the prompt alone prints the same text
+    argv = [sys.executable, "-m", "kvcache", "generate", prompt, "--max-new-tokens", "40", "--temperature", "0",
+            "--dtype", "float64"]  # fmt: skip
+    cli = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0 and cli.stdout == want + "\n"
+
+
+def test_sixteen_concurrent_requests_each_equal_its_run_alone(server, reference) -> None:
+    c = client(server)
+
+    def ask(prompt: str) -> str:
+        return c.completions.create(model=MODEL, prompt=prompt, max_tokens=48, temperature=0).choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(ask, PROMPTS))
+    assert got == [reference(p, 48) for p in PROMPTS]
+
+
+def test_a_second_turn_reuses_the_first_prompt_and_answer(server) -> None:
+    """The answer's chunks were stored while it was decoded: turn 2 reports `cached_tokens` of at
+    least turn 1's prompt and answer minus one chunk (16 tokens)."""
+    c = client(server)
+    messages = [{"role": "user", "content": "Tell me about the list type, at length."}]
+    first = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0)
+    answer = first.choices[0].message.content
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And the dict type?"}]
+    second = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens + 60 - 16
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + 60
+
+
+def test_stop_strings_and_seeded_sampling(server, reference) -> None:
+    c = client(server)
+    prompt = "The value of the "
+    full = reference(prompt, 40)
+    stop = full[10:13]
+    cut = c.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stop=[stop, "zzzz"])
+    assert cut.choices[0].text == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = c.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stop=stop, stream=True)
+    assert "".join(ch.choices[0].text for ch in streamed) == full[: full.index(stop)]
+    runs = [c.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0.9, top_p=0.9, seed=5)
+            .choices[0].text for _ in range(2)]  # fmt: skip
+    other = c.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0.9, seed=6).choices[0].text
+    assert runs[0] == runs[1] != other
+
+
+BAD = [
+    ("POST", "/v1/completions", b"{not json", 400, "not valid JSON"),
+    ("POST", "/v1/completions", b"[1, 2]", 400, "JSON object"),
+    ("POST", "/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("POST", "/v1/completions", {"prompt": "x", "temperature": 3}, 400, "temperature"),
+    ("POST", "/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 10**9}, 400, "max_tokens"),
+    ("POST", "/v1/completions", {"prompt": "x", "n": 2}, 400, "n=2"),
+    ("POST", "/v1/completions", {"prompt": "x", "frobnicate": True}, 400, "unrecognized"),
+    ("POST", "/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("POST", "/v1/completions", {"prompt": "snow \u2603 man"}, 400, "cannot be encoded"),
+    ("POST", "/v1/completions", {"prompt": [1, 2, 10**6]}, 400, "token ids"),
+    ("POST", "/v1/completions", {"prompt": "x", "stop": ["a"] * 5}, 400, "stop"),
+    ("POST", "/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "does not exist"),
+    ("POST", "/v1/completions", {"prompt": "x" * (2 << 20)}, 413, "larger than"),
+    ("POST", "/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "content"),
+    ("GET", "/v1/nothing", None, 404, "no such endpoint"),
+    ("GET", "/v1/completions", None, 405, "method not allowed"),
+]
+
+
+def test_bad_requests_get_openai_style_errors_and_change_nothing(server) -> None:
+    for method, path, body, status, words in BAD:
+        content = body if isinstance(body, bytes) else None if body is None else json.dumps(body).encode()
+        answer = httpx.request(method, server.url + path, content=content, timeout=30,
+                               headers={"content-type": "application/json"})  # fmt: skip
+        assert answer.status_code == status, (path, body if not isinstance(body, dict) else list(body), answer.text)
+        error = answer.json()["error"]
+        assert words in error["message"] and error["type"] and "Traceback" not in answer.text, (words, error)
+    with pytest.raises(openai.BadRequestError):
+        client(server).completions.create(model=MODEL, prompt="x", temperature=-1)
+    assert server.health()["running"] == 0 and server.health()["waiting"] == 0
+
+
+def test_an_api_key_is_required_and_never_logged(tmp_path: Path) -> None:
+    process = ServeProcess("--threads", "1", env={"KVCACHE_API_KEY": "sekrit-key-123"})
+    process.start(tmp_path / "stderr.log")
+    try:
+        for key in ("wrong", None):
+            headers = {} if key is None else {"authorization": f"Bearer {key}"}
+            answer = httpx.get(f"{process.url}/v1/models", headers=headers, timeout=10)
+            assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            client(process, "wrong").models.list()
+        assert client(process, "sekrit-key-123").models.list().data[0].id == MODEL
+        assert httpx.get(f"{process.url}/health", timeout=10).status_code == 200  # health needs no key
+    finally:
+        assert process.terminate() == 0
+    assert "sekrit" not in process.log()
+
+
+def test_a_client_that_disconnects_mid_stream_cancels_its_row(server) -> None:
+    body = {"model": MODEL, "prompt": "The value of the ", "max_tokens": 4000, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as answer:
+        lines = answer.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        assert server.health()["running"] == 1
+    deadline = time.monotonic() + 10
+    while server.health()["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.health() | {"model": 0} == {"status": "ok", "model": 0, "waiting": 0, "prefilling": 0, "running": 0,
+                                               "batch_cache": 0}  # fmt: skip
+
+
+def test_sigterm_lets_in_flight_requests_finish(tmp_path: Path, reference) -> None:
+    process = ServeProcess("--dtype", "float64", "--threads", "1", "--shutdown-timeout", "20")
+    process.start(tmp_path / "stderr.log")
+    result: dict = {}
+
+    def ask() -> None:
+        result["text"] = client(process).completions.create(model=MODEL, prompt="The value of the ", max_tokens=300,
+                                                            temperature=0).choices[0].text  # fmt: skip
+
+    thread = threading.Thread(target=ask)
+    thread.start()
+    while process.health()["running"] == 0:
+        time.sleep(0.02)
+    assert process.terminate() == 0
+    thread.join(timeout=30)
+    assert result["text"] == reference("The value of the ", 300)
+
+
+def test_metrics_count_requests_tokens_and_reuse(server) -> None:
+    c = client(server)
+    for _ in range(2):
+        c.completions.create(model=MODEL, prompt="A prompt long enough to fill two chunks of sixteen.", max_tokens=5,
+                             temperature=0)  # fmt: skip
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and line[0] != "#"}
+    assert values['kvcache_requests_total{endpoint="completions",status="200"}'] >= 2
+    assert values["kvcache_generated_tokens_total"] >= 10 and values["kvcache_prefix_hits_total"] >= 1
+    assert values["kvcache_tokens_reused_total"] >= 32 and values["kvcache_time_to_first_token_seconds_count"] >= 2
+    assert "kvcache_batch_size" in values
+
+
+def test_prompt_lookup_speculation_gives_each_row_its_run_alone(tmp_path: Path, reference) -> None:
+    """`--speculative`: rows draft from their own text, are verified together and cropped by their
+    own counts; 16 concurrent greedy answers equal their runs alone."""
+    process = ServeProcess("--dtype", "float64", "--threads", "1", "--speculative", "4")
+    process.start(tmp_path / "stderr.log")
+    try:
+        c = client(process)
+        prompts = [p * 3 for p in PROMPTS]  # repetitive text: drafts get accepted
+
+        def ask(prompt: str) -> str:
+            return c.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0).choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            got = list(pool.map(ask, prompts))
+        assert got == [reference(p, 40) for p in prompts]
+    finally:
+        assert process.terminate() == 0
+
+
+def _tiny_transformers_dir(path: Path) -> Path:
+    """A tiny random Llama and a byte-level BPE tokenizer with a chat template, saved as a local
+    transformers model directory (what `--model DIR` loads)."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    bpe.train_from_iterator(["The value of the cache is the sum of its tokens. " * 5, "user assistant system"],
+                            trainer)  # fmt: skip
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>",
+                                                     unk_token="<unk>")  # fmt: skip
+    tokenizer.chat_template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}<|assistant|>{% endif %}")  # fmt: skip
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=2,
+                                      bos_token_id=1)  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_a_transformers_model_directory_is_served(tmp_path: Path) -> None:
+    """`--model DIR`: completions equal `generate(wrap_model(model))` of the prompt alone, also four
+    at once; chat uses the tokenizer's own template; the model id is the directory's name."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvcache.integrations.transformers import wrap_model
+
+    where = _tiny_transformers_dir(tmp_path / "tiny-llama")
+    model = wrap_model(AutoModelForCausalLM.from_pretrained(where, dtype=torch.float64).eval())
+    tokenizer = AutoTokenizer.from_pretrained(where)
+
+    def alone(text: str, n: int) -> str:
+        ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
+        out = generate(model, ids, max_new_tokens=n).sequences[0, ids.shape[1] :].tolist()
+        return tokenizer.decode(out, skip_special_tokens=True)
+
+    process = ServeProcess("--model", str(where), "--dtype", "float64", "--threads", "1")
+    process.start(tmp_path / "stderr.log")
+    try:
+        c = client(process)
+        assert c.models.list().data[0].id == "tiny-llama"
+        prompts = ["The value of the", "the sum of its", "The cache is", "tokens. The"]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda p: c.completions.create(model="tiny-llama", prompt=p, max_tokens=12,
+                                                               temperature=0).choices[0].text, prompts))  # fmt: skip
+        assert got == [alone(p, 12) for p in prompts]
+        messages = [{"role": "user", "content": "The value"}]
+        chat = c.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=8, temperature=0)
+        assert chat.choices[0].message.content == alone(tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True), 8)  # fmt: skip
+    finally:
+        assert process.terminate() == 0
+
+
+def test_the_readme_serving_examples_run(server) -> None:
+    """The README's curl and openai examples, run as written against a server (its port put in)."""
+    import re
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## Serving", 1)[1].split("\n## ", 1)[0]
+    port = str(server.port)
+    curl = re.findall(r"```bash\n(curl .*?)```", section, re.S)[0].replace("8000", port)
+    done = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and json.loads(done.stdout)["choices"][0]["text"], done.stderr
+    python = re.findall(r"```python\n(.*?)```", section, re.S)[0].replace("8000", port)
+    assert python.startswith("# needs `kvcache serve` running")
+    exec(compile(python, "README.md (serving)", "exec"), {"__name__": "__readme__"})
