@@ -35,6 +35,7 @@ def scenarios() -> dict[str, Callable[[str], Section]]:
     from benchmarks.first_step import first_step_scenario
     from benchmarks.per_call import per_call_scenario
     from benchmarks.prefix_store import prefix_store_scenario
+    from benchmarks.quantized import quantized_scenario
     from benchmarks.scenarios_io import generation_scenario, persistence_scenario
     from benchmarks.scenarios_layers import append_scenario, memory_scenario, rollback_scenario
     from benchmarks.serve import serve_scenario
@@ -54,6 +55,7 @@ def scenarios() -> dict[str, Callable[[str], Section]]:
         "batch_speculation": batch_speculation_scenario,
         "startup": startup_scenario,
         "serve": serve_scenario,
+        "quantized": quantized_scenario,
     }
 
 

@@ -312,7 +312,8 @@ class Cache:
 
 class DynamicCache(Cache):
     """Growing layers: built lazily as `DynamicLayer`s, or from `layer_types` such as
-    `["full_attention", "sliding_attention", ...]` (with `sliding_window`)."""
+    `["full_attention", "sliding_attention", ...]` (with `sliding_window`). `kv_bits` (8 or 4):
+    attention keys/values quantized in groups of `group_size` (`QuantizedLayer`)."""
 
     def __init__(
         self,
@@ -320,15 +321,24 @@ class DynamicCache(Cache):
         *,
         sliding_window: int | None = None,
         num_states: int = 1,
+        kv_bits: int | None = None,
+        group_size: int = 64,
     ) -> None:
+        if kv_bits is not None:
+            from .layers.quant import check_quant
+
+            check_quant(kv_bits, group_size)
         if layer_types is None:
             from .layers.dynamic import DynamicLayer
+            from .layers.quantized import QuantizedLayer
 
-            super().__init__(layer_factory=DynamicLayer)
+            factory = DynamicLayer if kv_bits is None else (lambda: QuantizedLayer(kv_bits, group_size))
+            super().__init__(layer_factory=factory)
         else:
             if not isinstance(layer_types, (list, tuple)) or not all(isinstance(t, str) for t in layer_types):
                 raise CacheInputError(f"layer_types must be a list of layer-type names, got {layer_types!r}"[:200])
-            layers = [build_layer(t, sliding_window=sliding_window, num_states=num_states) for t in layer_types]
+            layers = [build_layer(t, sliding_window=sliding_window, num_states=num_states, kv_bits=kv_bits,
+                                  group_size=group_size) for t in layer_types]  # fmt: skip
             super().__init__(layers)
 
 

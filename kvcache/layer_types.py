@@ -9,6 +9,9 @@ from .layers.base import CacheLayer
 from .layers.dynamic import DynamicLayer
 from .layers.empty import EmptyLayer
 from .layers.hybrid import HybridLayer
+from .layers.quant import check_quant
+from .layers.quantized import QuantizedLayer
+from .layers.quantized_sliding import QuantizedSlidingWindowLayer
 from .layers.recurrent import RecurrentLayer
 from .layers.sliding import SlidingWindowLayer
 from .layers.static import StaticLayer
@@ -40,12 +43,28 @@ LAYER_TYPE_BUILDERS: dict[str, Callable[[int | None, int], CacheLayer]] = {
 }
 
 
-def build_layer(layer_type: str, *, sliding_window: int | None = None, num_states: int = 1) -> CacheLayer:
-    """A fresh dynamic layer for `layer_type` (e.g. "full_attention", "sliding_attention")."""
+def build_layer(layer_type: str, *, sliding_window: int | None = None, num_states: int = 1,
+                kv_bits: int | None = None, group_size: int = 64) -> CacheLayer:  # fmt: skip
+    """A fresh dynamic layer for `layer_type` (e.g. "full_attention", "sliding_attention"). With
+    `kv_bits` (8 or 4) attention keys/values are quantized in groups of `group_size`
+    (`QuantizedLayer`, `QuantizedSlidingWindowLayer`; a hybrid's attention part too)."""
     builder = LAYER_TYPE_BUILDERS.get(layer_type)
     if builder is None:
         raise CacheInputError(f"unknown layer type {layer_type!r}; known: {sorted(LAYER_TYPE_BUILDERS)}")
-    return builder(sliding_window, num_states)
+    layer = builder(sliding_window, num_states)
+    return layer if kv_bits is None else quantized(layer, kv_bits, group_size)
+
+
+def quantized(layer: CacheLayer, bits: int, group_size: int) -> CacheLayer:
+    """The quantized kind of a fresh attention layer (others as they are)."""
+    check_quant(bits, group_size)
+    if isinstance(layer, HybridLayer):
+        return HybridLayer(quantized(layer.attention, bits, group_size), layer.recurrent)
+    if type(layer) is SlidingWindowLayer:
+        return QuantizedSlidingWindowLayer(layer.sliding_window, bits=bits, group_size=group_size)
+    if type(layer) is DynamicLayer:
+        return QuantizedLayer(bits=bits, group_size=group_size)
+    return layer
 
 
 #: name -> builder(max_cache_len, sliding_window, num_states, rollback_tokens): the fixed-shape layer

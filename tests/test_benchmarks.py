@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = [
     "append", "rollback", "memory", "persistence", "generation", "first_step", "speculation", "per_call",
-    "prefix_store", "batch_speculation", "startup", "serve",
+    "prefix_store", "batch_speculation", "startup", "serve", "quantized",
 ]  # fmt: skip
 
 sys.path.insert(0, str(ROOT))
@@ -133,7 +133,8 @@ def test_only_and_script_entry_point(tmp_path: Path) -> None:
         [sys.executable, "benchmarks/run.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert helped.returncode == 0 and "--quick" in helped.stdout
-    for script in ("batch_speculation", "per_call", "prefix_store", "stateful_speculation", "startup", "serve"):
+    for script in ("batch_speculation", "per_call", "prefix_store", "stateful_speculation", "startup", "serve",
+                   "quantized"):
         shown = subprocess.run([sys.executable, f"benchmarks/{script}.py", "--help"], cwd=ROOT, capture_output=True,
                                text=True, timeout=120)  # fmt: skip
         assert shown.returncode == 0 and "--quick" in shown.stdout, (script, shown.stderr[-2000:])

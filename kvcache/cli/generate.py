@@ -59,6 +59,9 @@ def add_parser(subparsers: Any) -> None:
                         help="the store's byte budget (default 1 GiB); least recently used prefixes go first")
     parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default="float32",
                         help="the model's dtype (default float32)")
+    parser.add_argument("--kv-bits", type=int, choices=(8, 4), default=None,
+                        help="quantize the attention cache to 8 or 4 bits (groups of 64 along head_dim; the most "
+                        "recent 32 to 63 tokens stay in full precision); default: full precision")
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads for torch (default 1; on 2 cores 2 threads decode 1.1x faster)")
     parser.set_defaults(func=run, flag_names=FLAG_NAMES)  # fmt: skip
@@ -110,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     loaded = load_cache(args.cache, return_metadata=True) if args.cache else None  # a bad file fails fast
     model, tokenizer = default.load_default_model(weights_dir=default.WEIGHTS_DIR, dtype=getattr(torch, args.dtype))
+    model.kv_bits = args.kv_bits  # new_cache() builds quantized attention layers (the store's too)
     unknown = tokenizer.unknown_characters(text)
     if unknown:
         shown = "".join(unknown[:20]) + ("..." if len(unknown) > 20 else "")

@@ -11,6 +11,10 @@ from ..cache import Cache
 from ..encoder_decoder import EncoderDecoderCache
 from ..errors import CacheInputError, GenerationError, KVCacheError
 from ..layers.dynamic import DynamicLayer
+from ..layers.hybrid import HybridLayer
+from ..layers.quantized import QuantizedLayer
+from ..layers.quantized_sliding import QuantizedSlidingWindowLayer
+from ..layers.sliding import SlidingWindowLayer
 from ..layers.static import StaticLayer
 from .stop import self_attention_layers
 
@@ -163,10 +167,15 @@ def _fingerprint(tensor: torch.Tensor) -> tuple[Any, ...]:
 
 
 def _same_kind(mine: Any, ref: Any) -> bool:
-    """A layer of the model's kind (or a subclass); full attention held dynamically or statically."""
-    full = (DynamicLayer, StaticLayer)
+    """A layer of the model's kind (or a subclass); full attention held dynamically, statically or
+    quantized, a sliding window held as is or quantized."""
+    full = (DynamicLayer, StaticLayer, QuantizedLayer)
     if type(ref) is DynamicLayer and isinstance(mine, full) and not mine.is_sliding:
         return True
+    if type(ref) is SlidingWindowLayer and isinstance(mine, QuantizedSlidingWindowLayer):
+        return True
+    if type(ref) is HybridLayer and isinstance(mine, HybridLayer):
+        return _same_kind(mine.attention, ref.attention) and _same_kind(mine.recurrent, ref.recurrent)
     return isinstance(mine, type(ref))
 
 

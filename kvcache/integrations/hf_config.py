@@ -10,7 +10,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from ..cache import Cache
 from ..encoder_decoder import EncoderDecoderCache
 from ..errors import CacheInputError
-from ..layer_types import LAYER_TYPE_BUILDERS, build_layer, build_static_layer
+from ..layer_types import LAYER_TYPE_BUILDERS, build_layer, build_static_layer, quantized
 from ..layers.base import CacheLayer
 from ..layers.dynamic import DynamicLayer
 from ..layers.static import StaticLayer
@@ -36,7 +36,8 @@ def layer_for(layer_type: str, kwargs: dict[str, Any], static: dict[str, int] | 
     return build_layer(name, sliding_window=window, num_states=states)
 
 
-def decoder_layers(config: PretrainedConfig, static: dict[str, int] | None = None) -> list[CacheLayer]:
+def decoder_layers(config: PretrainedConfig, static: dict[str, int] | None = None,
+                   quant: tuple[int, int] | None = None) -> list[CacheLayer]:  # fmt: skip
     """One fresh kvcache layer per decoder layer of `config`, following transformers' own layer typing."""
     text_config = config.get_text_config(decoder=True)
     layer_types, per_layer_kwargs = get_layer_types_and_kwargs(text_config)
@@ -46,7 +47,8 @@ def decoder_layers(config: PretrainedConfig, static: dict[str, int] | None = Non
         if len(set(layer_types)) > 1:
             raise CacheInputError(f"config: {len(layer_types)} layer types for {depth} decoder layers")
         layer_types, per_layer_kwargs = layer_types[:1] * depth, per_layer_kwargs[:1] * depth
-    return [layer_for(t, dict(kw), static) for t, kw in zip(layer_types, per_layer_kwargs, strict=True)]
+    layers = [layer_for(t, dict(kw), static) for t, kw in zip(layer_types, per_layer_kwargs, strict=True)]
+    return layers if quant is None else [quantized(layer, *quant) for layer in layers]
 
 
 def cache_from_config(
@@ -55,6 +57,8 @@ def cache_from_config(
     static: bool = False,
     max_cache_len: int | None = None,
     rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS,
+    kv_bits: int | None = None,
+    group_size: int = 64,
 ) -> Cache | EncoderDecoderCache:
     """The empty kvcache cache a model built from the transformers `config` needs.
 
@@ -69,6 +73,9 @@ def cache_from_config(
     (max_cache_len)`, `StaticSlidingWindowLayer`, `StaticRecurrentLayer` (each able to undo the
     last `rollback_tokens` tokens). Cross-attention layers stay `DynamicLayer`s: they are written once,
     at the encoder's length, and never change shape after that.
+
+    `kv_bits` (8 or 4): attention keys/values quantized in groups of `group_size` along head_dim
+    (`QuantizedLayer`, `QuantizedSlidingWindowLayer`; not with `static=True`).
     """
     if not isinstance(config, PretrainedConfig):
         raise CacheInputError(f"cache_from_config takes a transformers config, got {type(config).__name__}")
@@ -82,7 +89,14 @@ def cache_from_config(
         spec = {"max_cache_len": max_cache_len, "rollback_tokens": rollback_tokens}
     elif max_cache_len is not None:
         raise CacheInputError("max_cache_len is for static=True caches")
-    layers = decoder_layers(config, spec)
+    if kv_bits is not None and static:
+        raise CacheInputError("kv_bits is for dynamic caches (static=False)")
+    quant = None
+    if kv_bits is not None:
+        from ..layers.quant import check_quant
+
+        quant = check_quant(kv_bits, group_size)
+    layers = decoder_layers(config, spec, quant)
     if not config.is_encoder_decoder:
         return Cache(layers)
     return EncoderDecoderCache(Cache(layers), Cache([DynamicLayer() for _ in layers]))

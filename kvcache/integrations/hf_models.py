@@ -83,9 +83,14 @@ class TransformersCausalLM(_GenerationDefaults):
         """Whether `set_per_token_recurrence` applies (the model has known recurrent mixers)."""
         return bool(self._per_token)
 
+    #: Quantize the attention layers of `new_cache()` (`wrap_model(..., kv_bits=)`).
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+
     def new_cache(self) -> Cache:
-        """A fresh cache of the kind this model's layers need (`cache_from_config(model.config)`)."""
-        return cache_from_config(self.config)  # type: ignore[return-value]
+        """A fresh cache of the kind this model's layers need (`cache_from_config(model.config)`,
+        attention quantized to `kv_bits` when set)."""
+        return cache_from_config(self.config, kv_bits=self.kv_bits, group_size=self.kv_group_size)  # type: ignore[return-value]
 
     def __call__(
         self,
@@ -199,14 +204,23 @@ def _decoder_start_token_id(model: PreTrainedModel) -> int:
     )
 
 
-def wrap_model(model: PreTrainedModel) -> TransformersCausalLM | TransformersEncoderDecoderLM:
+def wrap_model(model: PreTrainedModel, *, kv_bits: int | None = None,
+               group_size: int = 64) -> TransformersCausalLM | TransformersEncoderDecoderLM:  # fmt: skip
     """Adapt a transformers causal LM or encoder-decoder model to kvcache's generation protocol.
 
-    The result's `new_cache()` is `cache_from_config(model.config)`; calling it runs the unmodified
+    The result's `new_cache()` is `cache_from_config(model.config)` (its attention quantized to
+    `kv_bits`, 8 or 4, in groups of `group_size`, for a causal LM); calling it runs the unmodified
     model with a kvcache cache, so `kvcache.generation.generate` and speculative decoding drive it.
     """
     if not isinstance(model, PreTrainedModel):
         raise CacheInputError(f"wrap_model takes a transformers PreTrainedModel, got {type(model).__name__}")
     if model.config.is_encoder_decoder:
+        if kv_bits is not None:
+            raise CacheInputError("kv_bits is for causal LMs (an encoder-decoder cache is not quantized)")
         return TransformersEncoderDecoderLM(model)
-    return TransformersCausalLM(model)
+    wrapped = TransformersCausalLM(model)
+    if kv_bits is not None:
+        from ..layers.quant import check_quant
+
+        wrapped.kv_bits, wrapped.kv_group_size = check_quant(kv_bits, group_size)
+    return wrapped

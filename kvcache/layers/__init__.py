@@ -4,6 +4,8 @@ from .base import LAYER_REGISTRY, CacheLayer, register_layer
 from .dynamic import DynamicLayer
 from .empty import EmptyLayer
 from .hybrid import HybridLayer
+from .quantized import QuantizedLayer
+from .quantized_sliding import QuantizedSlidingWindowLayer
 from .recurrent import RecurrentLayer
 from .sliding import SlidingWindowLayer
 from .static import StaticLayer
@@ -16,6 +18,8 @@ __all__ = [
     "DynamicLayer",
     "EmptyLayer",
     "HybridLayer",
+    "QuantizedLayer",
+    "QuantizedSlidingWindowLayer",
     "RecurrentLayer",
     "SlidingWindowLayer",
     "StaticLayer",

@@ -100,9 +100,17 @@ class DecoderLM(nn.Module):
     def device(self) -> torch.device:
         return self.embed.weight.device
 
-    def new_cache(self) -> Cache:
-        """A fresh `DynamicCache` with one layer per model layer, of the kind its layer type names."""
-        return DynamicCache(layer_types=self.config.layer_types, sliding_window=self.config.sliding_window)
+    #: Quantize the attention layers of `new_cache()` to this many bits (8 or 4; None: full precision),
+    #: in groups of `kv_group_size` along head_dim.
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+
+    def new_cache(self, kv_bits: int | None = None, group_size: int | None = None) -> Cache:
+        """A fresh `DynamicCache` with one layer per model layer, of the kind its layer type names;
+        attention quantized to `kv_bits` (default: the model's `kv_bits`)."""
+        bits = self.kv_bits if kv_bits is None else kv_bits
+        return DynamicCache(layer_types=self.config.layer_types, sliding_window=self.config.sliding_window,
+                            kv_bits=bits, group_size=group_size or self.kv_group_size)  # fmt: skip
 
     def new_static_cache(self, max_cache_len: int, rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS) -> Cache:
         """A fresh `StaticCache` (fixed shapes, for `torch.compile`) with one layer per model layer."""

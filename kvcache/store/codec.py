@@ -21,7 +21,7 @@ from ..persistence.integrity import DIGEST_TENSOR, KEYED, PLAIN, FileDigest
 from ..persistence.reader import FileReader
 from ..persistence.writer import write_safetensors
 from .backends import Entry
-from .payloads import Delta, HybridPayload, Payload, Snapshot, WindowDelta
+from .payloads import Delta, HybridPayload, Payload, QuantDelta, Snapshot, WindowDelta
 
 FORMAT = "kvcache-store-entry"
 VERSION = "1"
@@ -34,6 +34,11 @@ def _describe(payload: Payload, prefix: str, tensors: dict[str, torch.Tensor]) -
     if isinstance(payload, Delta):
         tensors[f"{prefix}keys"], tensors[f"{prefix}values"] = payload.keys, payload.values
         return {"kind": "delta"}
+    if isinstance(payload, QuantDelta):
+        for name, tensor in payload.tensors.items():
+            tensors[f"{prefix}{name}"] = tensor
+        return {"kind": "quant", "bits": payload.bits, "group_size": payload.group_size, "residual": payload.residual,
+                "window": payload.window}  # fmt: skip
     if isinstance(payload, HybridPayload):
         return {
             "kind": "hybrid",
@@ -51,6 +56,12 @@ def _restore(desc: Any, prefix: str, tensors: dict[str, torch.Tensor], used: set
         return tensors[name]
 
     kind = desc["kind"]
+    if kind == "quant":
+        numbers = [desc[n] for n in ("bits", "group_size", "residual", "window")]
+        if any(isinstance(n, bool) or not isinstance(n, int) for n in numbers):
+            raise TypeError(f"quantization parameters {numbers!r}")
+        names = ("data_k", "data_v", "params_k", "params_v", "residual_k", "residual_v")
+        return QuantDelta(*(take(f"{prefix}{n}") for n in names), *numbers)
     if kind in ("window", "delta"):
         keys, values = take(f"{prefix}keys"), take(f"{prefix}values")
         if kind == "delta":

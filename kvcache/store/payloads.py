@@ -31,7 +31,9 @@ from ..layers.base import LAYER_REGISTRY, CacheLayer
 from ..layers.dynamic import DynamicLayer
 from ..layers.hybrid import HybridLayer
 from ..layers.kv_buffer import KVBuffer
+from ..layers.quantized import QuantizedLayer
 from ..layers.sliding import SlidingWindowLayer
+from .quant_payloads import QuantDelta, capture_quantized, check_quantized, quantized_capturable, rebuild_quantized
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ class HybridPayload:
         return self.attention.nbytes + self.recurrent.nbytes
 
 
-Payload = Delta | Snapshot | HybridPayload
+Payload = Delta | Snapshot | HybridPayload | QuantDelta
 
 
 def canonical(layer: CacheLayer) -> CacheLayer:
@@ -90,7 +92,7 @@ def canonical(layer: CacheLayer) -> CacheLayer:
     copy = layer.copy()
     copy._commit()
     copy._recording = False
-    if isinstance(copy, SlidingWindowLayer):
+    if hasattr(copy, "_seen_at_commit"):
         copy._seen_at_commit = 0  # unused while not recording; a prefilled layer has 0
     for slot in getattr(copy, "_slots", ()):
         slot.conv_from_empty = True  # likewise (`activate_past_recording` sets it anew)
@@ -108,6 +110,8 @@ def capture(layer: CacheLayer, start: int, end: int) -> Payload:
     if type(layer) is SlidingWindowLayer and layer.sliding_window - 1 >= n:
         keys, values = layer.state["keys"], layer.state["values"]  # holds at least the chunk (W - 1 >= n)
         return WindowDelta(keys[:, :, -n:].clone(), values[:, :, -n:].clone(), layer.sliding_window)
+    if isinstance(layer, QuantizedLayer):
+        return capture_quantized(layer, start, end)
     if isinstance(layer, HybridLayer):
         recurrent = capture(layer.recurrent, start, end)
         assert isinstance(recurrent, Snapshot)
@@ -120,6 +124,8 @@ def rebuild(path: list[Payload], device: torch.device | None = None) -> CacheLay
     """The layer a cache held after the chunks whose payloads (for this layer) are `path`, in order,
     its tensors on `device` (checked payloads only: see `check_payload`)."""
     last = path[-1]
+    if isinstance(last, QuantDelta):
+        return rebuild_quantized(path, device)  # type: ignore[arg-type]
     if isinstance(last, WindowDelta):
         keep, parts, held = last.window - 1, [], 0
         for p in reversed(path):  # the last chunks, back to W - 1 tokens
@@ -172,6 +178,8 @@ def check_payload(payload: Any, ref: Payload, chunks: int) -> str | None:
     chunks (`ref`: its payload after one chunk); else what differs, for the warning."""
     if type(payload) is not type(ref):
         return f"a {type(payload).__name__} where the model keeps a {type(ref).__name__}"
+    if isinstance(ref, QuantDelta):
+        return check_quantized(payload, ref, chunks)
     if isinstance(ref, HybridPayload):
         return check_payload(payload.attention, ref.attention, chunks) or check_payload(
             payload.recurrent, ref.recurrent, chunks
@@ -212,14 +220,18 @@ def kind_of(layer: CacheLayer) -> str:
     """A layer's kind and parameters, for the layout fingerprint (shapes come from the model)."""
     if isinstance(layer, HybridLayer):
         return f"Hybrid({kind_of(layer.attention)},{kind_of(layer.recurrent)})"
-    params = {k: getattr(layer, k) for k in ("sliding_window", "num_states") if hasattr(layer, k)}
+    names = ("sliding_window", "num_states", "bits", "group_size", "residual")
+    params = {k: getattr(layer, k) for k in names if hasattr(layer, k)}
     return f"{type(layer).__name__}{sorted(params.items())}"
 
 
-def storable(layer: CacheLayer) -> bool:
-    """Layers a prefix store can keep: the growing kinds (static layers are fixed-size buffers)."""
+def storable(layer: CacheLayer, chunk: int) -> bool:
+    """Layers a prefix store can keep with chunks of `chunk` tokens: the growing kinds (static
+    layers are fixed-size buffers; a quantized window must be at least a chunk wide)."""
     if isinstance(layer, HybridLayer):
-        return storable(layer.attention) and storable(layer.recurrent)
+        return storable(layer.attention, chunk) and storable(layer.recurrent, chunk)
+    if isinstance(layer, QuantizedLayer):
+        return quantized_capturable(layer, chunk)
     return not layer.is_compileable or type(layer).__name__ == "EmptyLayer"
 
 

@@ -1,0 +1,341 @@
+"""Quantized full-attention keys/values with exact rollback (int8 or int4, group-wise along head_dim).
+
+Tokens are quantized in blocks of `residual` tokens at fixed absolute positions, and only once at
+least `residual` newer tokens exist: with `N` tokens held by the shortest row, the first
+`Q(N) = max(0, (N - residual) // residual) * residual` are quantized and the rest, `residual` to
+`2 * residual - 1` of the most recent, stay in full precision (KIVI's residual). Since a token's
+quantized form does not depend on anything but the token (`quant`), the layer's content is a
+function of the tokens it holds alone: how they arrived (one per step, a chunk at once, across a
+crop) does not matter, and `crop(-n)` is exactly "as if never added": the quantized part is cut to
+`Q(N - n)` and the tokens it gives back come from their full-precision copies.
+
+Those copies are what rollback needs: while recording, the full-precision copies of tokens
+quantized since the commit point are kept (`residual + residual - 1 + r` full-precision tokens at
+most for `r` recorded ones, as a sliding window keeps `W - 1 + r`); while not recording only the
+residual is. A crop may reach back as long as every token it returns to full precision has its
+copy. Rows of a batch share the quantized part (set by the shortest row) and hold their own
+full-precision tails, so per-row crops move only each row's end.
+
+Attention gets full-precision keys/values: the quantized part dequantized for each update (the
+price of the memory saved), then the residual.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from typing_extensions import Self
+
+from ..errors import CacheInputError
+from ..validation import check_move, check_query_length, check_row_lengths
+from .base import CacheLayer, register_layer
+from .dynamic import nonneg_int
+from .kv_buffer import GROWTH, KVBuffer
+from .quant import check_quant, dequantize, groups_of, quantize
+
+DEFAULT_RESIDUAL = 32
+
+
+def _check_residual(residual: Any) -> int:
+    if isinstance(residual, bool) or not isinstance(residual, int) or residual < 1:
+        raise CacheInputError(f"residual must be a positive int, got {residual!r}")
+    return residual
+
+
+@register_layer
+class QuantizedLayer(CacheLayer):
+    """Every key/value seen, quantized to `bits` (8 or 4) in groups of `group_size` along
+    head_dim, except the most recent `residual` to `2 * residual - 1` tokens (module docstring)."""
+
+    crops_rows = True
+
+    def __init__(self, bits: int = 8, group_size: int = 64, residual: int = DEFAULT_RESIDUAL) -> None:
+        super().__init__()
+        self.bits, self.group_size = check_quant(bits, group_size)
+        self.residual = _check_residual(residual)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._fp = KVBuffer(GROWTH)  # full-precision tokens [fp_start, end of each row)
+        self._q = KVBuffer(GROWTH)  # quantized data of tokens [q_start, quantized)
+        self._p = KVBuffer(GROWTH)  # their scales and zero points
+        self._fp_start = self._q_start = self._quantized = 0
+        self._group = 0
+
+    @property
+    def _name(self) -> str:
+        return type(self).__name__
+
+    # ------------------------------------------------------------------------- lengths
+    def row_lengths(self) -> list[int]:
+        return [self._fp_start + n for n in self._fp.row_lengths()]
+
+    def _longest(self) -> int:
+        return self._fp_start + len(self._fp)
+
+    def _shortest(self) -> int:
+        return min(self.row_lengths(), default=0)
+
+    def _target(self, shortest: int) -> int:
+        """Tokens quantized when the shortest row holds `shortest`."""
+        return max(0, (shortest - self.residual) // self.residual) * self.residual
+
+    def get_seq_length(self) -> int:
+        return self._longest()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        query_length = check_query_length(query_length)
+        return self._longest() + query_length, 0
+
+    @property
+    def is_ragged(self) -> bool:
+        return self._fp.row_ends is not None
+
+    @property
+    def batch_size(self) -> int | None:
+        return None if self._fp.keys is None else self._fp.keys.shape[1]
+
+    # -------------------------------------------------------------------------- update
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._fp.check(key_states, value_states, self._name)
+        if not key_states.is_floating_point():
+            raise CacheInputError(f"{self._name}.update takes floating-point keys/values, got {key_states.dtype}")
+        if self._fp.keys is None:
+            self._group = groups_of(key_states.shape[3], self.group_size)
+            groups_of(value_states.shape[3], self.group_size)
+        visible = self._first_visible()
+        self._fp.append(key_states, value_states)
+        self._quantize()
+        returned = self._assemble(visible)
+        self._evict()  # after: the queries of this update see the window before them
+        return returned
+
+    def _first_visible(self) -> int:
+        return 0
+
+    def _settle(self) -> None:
+        """Quantize what the lengths say must be, and drop what is no longer needed."""
+        self._quantize()
+        self._evict()
+
+    def _quantize(self) -> None:
+        target = self._target(self._shortest())
+        if target <= self._quantized:
+            return
+        begin = max(self._quantized, self._fp_start)
+        if begin > max(self._quantized, self._q_start):  # tokens before `begin` left every window unquantized
+            self._q, self._p = KVBuffer(GROWTH), KVBuffer(GROWTH)
+            self._q_start = begin
+        if target > begin:
+            lo, hi = begin - self._fp_start, target - self._fp_start
+            keys, values = (t.narrow(2, lo, hi - lo) for t in self._fp.tail(len(self._fp)))
+            qk, pk = quantize(keys, self.bits, self._group)
+            qv, pv = quantize(values, self.bits, self._group)
+            self._q.append(qk, qv)
+            self._p.append(pk, pv)
+        self._quantized = target
+
+    @property
+    def _held_quantized(self) -> int:
+        """Quantized tokens held: positions `[q_start, quantized)` (none when the window passed them)."""
+        return max(self._quantized - self._q_start, 0)
+
+    def _evict(self) -> None:
+        """Drop what nothing can need any more: while not recording, the full-precision copies of
+        quantized tokens."""
+        if not self._recording:
+            self._drop_front(self._quantized)
+
+    def _drop_front(self, fp_from: int, q_from: int = 0) -> None:
+        """Forget full-precision tokens before `fp_from` and quantized ones before `q_from`."""
+        if fp_from > self._fp_start:
+            self._fp.keep_last(self._longest() - fp_from)
+            self._fp_start = fp_from
+        if q_from > self._q_start:
+            if self._q.keys is not None:
+                keep = max(self._quantized - q_from, 0)
+                self._q.keep_last(keep)
+                self._p.keep_last(keep)
+            self._q_start = q_from
+
+    def _assemble(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of absolute positions `[start, longest)` in full precision: the quantized
+        part dequantized, then the full-precision part."""
+        fp_keys, fp_values = self._fp.tail(len(self._fp))
+        batch, heads, _, _ = fp_keys.shape
+        longest = self._longest()
+        split = max(self._quantized, start)
+        out = []
+        for i, fp in enumerate((fp_keys, fp_values)):
+            whole = fp.new_empty(batch, heads, longest - start, fp.shape[3])
+            if split > start:
+                data = self._q.tail(self._quantized - start)[i]
+                params = self._p.tail(self._quantized - start)[i]
+                dequantize(data, params, self.bits, self._group, fp.dtype, out=whole.narrow(2, 0, split - start))
+            whole.narrow(2, split - start, longest - split).copy_(fp.narrow(2, split - self._fp_start, longest - split))
+            out.append(whole)
+        return out[0], out[1]
+
+    # ------------------------------------------------------------------------ rollback
+    def row_rollback(self) -> list[int]:
+        """A row may go back as long as every token returned to full precision has its copy:
+        the shortest row must keep `fp_start + residual` tokens (or anything while nothing before
+        the full-precision part is quantized)."""
+        keep = self._min_kept()
+        return [max(n - keep, 0) for n in self.row_lengths()]
+
+    def _min_kept(self) -> int:
+        """The fewest tokens the shortest row may hold after a crop."""
+        if not self._fp_start:
+            return 0
+        return (-(-self._fp_start // self.residual) + 1) * self.residual  # then Q(N) >= fp_start
+
+    @property
+    def max_rollback(self) -> int:
+        return min(self.row_rollback(), default=0)
+
+    @property
+    def is_croppable(self) -> bool:
+        return self._recording
+
+    def _rollback_hint(self) -> str:
+        if self._recording:
+            return "recording: tokens quantized before the commit point have no full-precision copy"
+        return "not recording: quantized tokens keep no full-precision copy; call activate_past_recording()"
+
+    def _remove_last(self, n: int) -> None:
+        self._fp.drop_last(n)
+        self._unquantize()
+
+    def _remove_rows(self, counts: list[int]) -> None:
+        self._fp.drop_rows(counts)
+        self._unquantize()
+
+    def _unquantize(self) -> None:
+        """After a crop: the quantized part back to what the new lengths quantize (the tokens it
+        returns are in full precision already), then whatever the new lengths quantize more."""
+        target = self._target(self._shortest())
+        if target < self._quantized:
+            drop = self._held_quantized - max(target - self._q_start, 0)
+            if drop:
+                self._q.drop_last(drop)
+                self._p.drop_last(drop)
+            self._quantized = target
+        self._settle()
+
+    def _commit(self) -> None:
+        self._recording, recording = False, self._recording
+        self._evict()  # as a layer that is not recording holds it
+        self._recording = recording
+        for buffer in (self._fp, self._q, self._p):
+            buffer.shrink()
+
+    def reset(self) -> None:
+        self._reset()
+
+    # --------------------------------------------------------------------------- batch
+    def _index_batch(self, index: torch.Tensor) -> None:
+        for buffer in (self._fp, self._q, self._p):
+            buffer.index_batch(index)
+        self._settle()  # the shortest kept row may quantize more
+
+    def nbytes(self) -> int:
+        """Bytes of storage held (quantized data, scales and zero points, full-precision tokens)."""
+        return self._fp.nbytes() + self._q.nbytes() + self._p.nbytes()
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Self:
+        """Move to `device` and cast the full-precision tokens to `dtype` (quantized data and its
+        scales keep their types); in place, returns the layer."""
+        device, dtype = check_move(device, dtype)
+        moved = {name: t.to(device=device, dtype=dtype if name in ("keys", "values") else None)
+                 for name, t in self.state.items()}  # fmt: skip
+        self.__dict__.update(type(self).from_state(self.meta_state, moved).__dict__)
+        return self
+
+    def copy(self) -> Self:
+        return type(self).from_state(self.meta_state, self.state)
+
+    # ---------------------------------------------------------------------- persistence
+    @property
+    def state(self) -> dict[str, torch.Tensor]:
+        if self._fp.keys is None:
+            return {}
+        keys, values = self._fp.tail(len(self._fp))
+        out = {"keys": keys, "values": values}
+        if self._q.keys is not None and self._held_quantized:
+            n = self._held_quantized
+            out["keys_q"], out["values_q"] = self._q.tail(n)
+            out["params_k"], out["params_v"] = self._p.tail(n)
+        return out
+
+    @property
+    def meta_state(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {"bits": self.bits, "group_size": self.group_size, "residual": self.residual,
+                                "seq_length": self._longest(), "full_precision_from": self._fp_start,
+                                "quantized_from": self._q_start, "quantized": self._quantized,
+                                "record_past": self._recording}  # fmt: skip
+        if self.is_ragged:
+            meta["row_lengths"] = self.row_lengths()
+        return meta
+
+    @classmethod
+    def _params(cls, meta_state: dict[str, Any]) -> dict[str, Any]:
+        return {k: meta_state.get(k) for k in ("bits", "group_size", "residual")}
+
+    @classmethod
+    def from_state(cls, meta_state: dict[str, Any], state: dict[str, torch.Tensor]) -> Self:
+        name = cls.__name__
+        layer = cls(**cls._params(meta_state))
+        seen = nonneg_int(meta_state, "seq_length", name)
+        fp_start = nonneg_int(meta_state, "full_precision_from", name)
+        q_start = nonneg_int(meta_state, "quantized_from", name)
+        quantized = nonneg_int(meta_state, "quantized", name)
+        recording = meta_state.get("record_past", False)
+        if not isinstance(recording, bool):
+            raise CacheInputError(f"{name}: 'record_past' must be a bool, got {recording!r}")
+        if not state:
+            if seen:
+                raise CacheInputError(f"{name}: {seen} token(s) announced but no keys/values given")
+            layer._recording = recording
+            return layer
+        quant_names = {"keys_q", "values_q", "params_k", "params_v"}
+        expected = {"keys", "values"} | (quant_names if quantized > q_start else set())
+        if set(state) != expected:
+            raise CacheInputError(f"{name}: expected tensors {sorted(expected)}, got {sorted(state)}")
+        keys, values = state["keys"], state["values"]
+        if keys.dim() != 4 or values.dim() != 4 or keys.shape[:3] != values.shape[:3] or keys.dtype != values.dtype \
+                or not keys.is_floating_point():  # fmt: skip
+            raise CacheInputError(f"{name}: keys {tuple(keys.shape)} and values {tuple(values.shape)} are not a pair")
+        if fp_start + keys.shape[2] != seen or quantized > seen:
+            raise CacheInputError(f"{name}: inconsistent lengths (seen {seen}, full precision from {fp_start}, "
+                                  f"quantized [{q_start}, {quantized}))")  # fmt: skip
+        layer._group = groups_of(keys.shape[3], layer.group_size)
+        layer._fp = KVBuffer.from_tensors(keys, values, GROWTH)
+        layer._fp_start, layer._q_start, layer._quantized = fp_start, q_start, quantized
+        if quantized > q_start:
+            n = quantized - q_start
+            data_k, data_v, pk, pv = (state[k] for k in ("keys_q", "values_q", "params_k", "params_v"))
+            width = keys.shape[3] // (2 if layer.bits == 4 else 1)
+            groups = 2 * keys.shape[3] // layer._group
+            ok = (data_k.dtype == data_v.dtype == torch.uint8 and tuple(data_k.shape) == (*keys.shape[:2], n, width)
+                  and data_v.shape == data_k.shape and tuple(pk.shape) == (*keys.shape[:2], n, groups)
+                  and pv.shape == pk.shape and pk.dtype == pv.dtype and pk.is_floating_point())  # fmt: skip
+            if not ok:
+                raise CacheInputError(f"{name}: quantized tensors do not fit {layer.bits}-bit keys of "
+                                      f"{tuple(keys.shape)} and {n} quantized token(s)")  # fmt: skip
+            layer._q = KVBuffer.from_tensors(data_k, data_v, GROWTH)
+            layer._p = KVBuffer.from_tensors(pk, pv, GROWTH)
+        lengths = meta_state.get("row_lengths")
+        held = [n - fp_start for n in lengths] if isinstance(lengths, list) and all(
+            isinstance(n, int) for n in lengths) else lengths  # fmt: skip
+        layer._fp.set_row_lengths(check_row_lengths(held, layer.batch_size, keys.shape[2], name))
+        if layer._quantized != layer._target(layer._shortest()):
+            raise CacheInputError(f"{name}: {quantized} quantized token(s) do not follow from the lengths")
+        if fp_start > max(quantized, layer._first_visible()):
+            raise CacheInputError(f"{name}: full-precision tokens from {fp_start} leave a gap after {quantized} "
+                                  "quantized ones")  # fmt: skip
+        layer._recording = recording
+        return layer

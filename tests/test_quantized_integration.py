@@ -1,0 +1,133 @@
+"""Quantized caches in everything else a cache does: speculative decoding (batch 1 and 4, per-row
+rollback) equal to plain decoding with the same quantized cache, saved files that are smaller and
+continue exactly, the prefix store, transformers models (`cache_from_config(kv_bits=)`), the
+command line's `--kv-bits`, and bad arguments."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_speculative import VOCAB, make_target
+from test_speculative_batch import padded_batch
+
+from kvcache import CacheInputError, DynamicCache, load_cache, save_cache
+from kvcache.generation import PromptLookupDrafter, generate, speculative_generate
+from kvcache.layers import QuantizedLayer, QuantizedSlidingWindowLayer
+from kvcache.models import load_default_model
+from kvcache.store import DirectoryBackend, PrefixStore
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def quantized_target(kind: str, bits: int):
+    model = make_target(kind)
+    model.kv_bits, model.kv_group_size = bits, 32
+    return model
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("kind", ["full", "sliding", "hybrid"])
+def test_speculative_decoding_equals_plain_decoding_with_the_same_quantized_cache(kind: str, bits: int) -> None:
+    """Batch 1 (the target's cache handed in, cropped inside verify forwards) and a left-padded batch
+    of 4 (every row verified together and cropped by its own count): token for token the plain
+    greedy decoding with the same kind of quantized cache."""
+    model = quantized_target(kind, bits)
+    prompt = torch.randint(1, VOCAB, (1, 30), generator=torch.Generator().manual_seed(3))
+    plain = generate(model, prompt, max_new_tokens=40)
+    spec = speculative_generate(model, PromptLookupDrafter(), prompt, max_new_tokens=40, cache=model.new_cache())
+    assert spec.sequences.tolist() == plain.sequences.tolist()
+    assert isinstance(spec.cache.layers[0], (QuantizedLayer, type(spec.cache.layers[0])))
+    ids, mask = padded_batch(4, 1, False)
+    batched = generate(model, ids, attention_mask=mask, max_new_tokens=20).sequences
+    drafted = speculative_generate(model, model, ids, attention_mask=mask, max_new_tokens=20, num_draft_tokens=3)
+    assert drafted.sequences.tolist() == batched.tolist()
+
+
+def test_a_saved_quantized_cache_is_smaller_and_continues_exactly(tmp_path: Path) -> None:
+    model, tokenizer = load_default_model()
+    ids = torch.tensor([tokenizer.encode("The value of the sequence pattern is the same as the container " * 8)])
+    sizes = {}
+    for bits in (None, 8, 4):
+        out = generate(model, ids, max_new_tokens=10, cache=model.new_cache(kv_bits=bits))
+        path = tmp_path / f"{bits}.safetensors"
+        save_cache(out.cache, path)
+        sizes[bits] = path.stat().st_size
+        whole = generate(model, ids, max_new_tokens=30, cache=model.new_cache(kv_bits=bits), output_scores=True)
+        rest = generate(model, out.sequences, cache=load_cache(path), max_new_tokens=20, output_scores=True)
+        assert torch.equal(rest.sequences, whole.sequences)
+        assert all(torch.equal(a, b) for a, b in zip(rest.scores, whole.scores[10:], strict=True))
+    # the full layers shrink by 3.6x (int8) and 6.4x (int4) against float32; the sliding ones hold
+    # a window of 31 tokens, kept in full precision (it is shorter than two residuals)
+    assert sizes[None] / sizes[8] > 1.5 and sizes[None] / sizes[4] > 1.7 and sizes[8] > sizes[4]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_prefix_store_keeps_quantized_chunks_and_hits_exactly(tmp_path: Path, bits: int) -> None:
+    """Memory and directory stores: a hit continues bit for bit as the run that stored it, and a
+    chat's next turn reuses the chunks decoding stored."""
+    model = quantized_target("full", bits)
+    prompt = torch.randint(1, VOCAB, (1, 45), generator=torch.Generator().manual_seed(9))
+    for store in (PrefixStore(chunk_size=8), PrefixStore(chunk_size=8, backend=DirectoryBackend(tmp_path / "d"))):
+        cold = generate(model, prompt, max_new_tokens=20, output_scores=True, prefix_store=store)
+        hit = generate(model, prompt, max_new_tokens=20, output_scores=True, prefix_store=store)
+        assert store.stats.tokens_reused == 40 and store.stats.dropped == 0
+        assert all(torch.equal(a, b) for a, b in zip(hit.scores, cold.scores, strict=True))
+        turn = torch.cat([hit.sequences, torch.tensor([[1, 2, 3]])], dim=1)
+        generate(model, turn, max_new_tokens=4, prefix_store=store)
+        assert store.stats.tokens_reused == 40 + 64
+
+
+def test_transformers_models_take_quantized_caches() -> None:
+    """`cache_from_config(kv_bits=8)` for a Llama (full attention) and a Gemma3 (sliding layers too):
+    the logits stay within quantization error of transformers' own, and rollback works through
+    transformers' forward."""
+    pytest.importorskip("transformers", minversion="5.24")
+    from test_transformers_models import Stepper, hf_cache, prompt, tiny_model
+
+    from kvcache.integrations.transformers import cache_from_config, wrap_model
+
+    for kind, kinds in (("llama", {QuantizedLayer}), ("gemma3", {QuantizedLayer, QuantizedSlidingWindowLayer})):
+        model, source = tiny_model(kind), prompt(length=40)
+        cache = cache_from_config(model.config, kv_bits=8, group_size=32)
+        assert {type(layer) for layer in cache} == kinds
+        ours, theirs = Stepper(model, cache, source), Stepper(model, hf_cache(model), source)
+        ours(source)
+        theirs(source)
+        ours.cache.activate_past_recording()
+        step = torch.randint(3, 128, (2, 3), generator=torch.Generator().manual_seed(1))
+        ours(step)
+        ours.cache.crop(-3)
+        for i in range(4):
+            token = step[:, i % 3 : i % 3 + 1]
+            torch.testing.assert_close(ours(token), theirs(token), atol=0.05, rtol=0)
+        wrapped = wrap_model(model, kv_bits=4)
+        assert all(type(layer) in kinds for layer in wrapped.new_cache())
+
+
+def test_the_command_line_quantizes_with_kv_bits(tmp_path: Path) -> None:
+    def run(*args: str) -> str:
+        argv = [sys.executable, "-m", "kvcache", "generate", "The value of the ", "--temperature", "0",
+                "--max-new-tokens", "30", *args]  # fmt: skip
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    saved = tmp_path / "p.safetensors"
+    run("--kv-bits", "4", "--max-new-tokens", "0", "--save-cache", str(saved))
+    assert run("--kv-bits", "4", "--cache", str(saved)) == run("--kv-bits", "4")
+    assert load_cache(saved).layers[0].bits == 4
+
+
+def test_bad_quantization_arguments_are_clear_errors() -> None:
+    for kwargs in ({"kv_bits": 3}, {"kv_bits": 8, "group_size": 48}, {"kv_bits": True}):
+        with pytest.raises(CacheInputError):
+            DynamicCache(["full_attention"], **kwargs)
+    lazy = DynamicCache(kv_bits=4)
+    lazy.update(torch.randn(1, 2, 5, 64), torch.randn(1, 2, 5, 64), 1)
+    assert [type(layer) for layer in lazy] == [QuantizedLayer, QuantizedLayer] and lazy.layers[0].bits == 4
+    with pytest.raises(CacheInputError, match="multiple"):
+        QuantizedLayer(8, 64).update(torch.randn(1, 2, 3, 96), torch.randn(1, 2, 3, 96))
