@@ -34,6 +34,7 @@ def scenarios() -> dict[str, Callable[[str], Section]]:
     from benchmarks.batch_speculation import batch_speculation_scenario
     from benchmarks.first_step import first_step_scenario
     from benchmarks.per_call import per_call_scenario
+    from benchmarks.prefill import prefill_scenario
     from benchmarks.prefix_store import prefix_store_scenario
     from benchmarks.quantized import quantized_scenario
     from benchmarks.scenarios_io import generation_scenario, persistence_scenario
@@ -56,6 +57,7 @@ def scenarios() -> dict[str, Callable[[str], Section]]:
         "startup": startup_scenario,
         "serve": serve_scenario,
         "quantized": quantized_scenario,
+        "prefill": prefill_scenario,
     }
 
 

@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = [
     "append", "rollback", "memory", "persistence", "generation", "first_step", "speculation", "per_call",
-    "prefix_store", "batch_speculation", "startup", "serve", "quantized",
+    "prefix_store", "batch_speculation", "startup", "serve", "quantized", "prefill",
 ]  # fmt: skip
 
 sys.path.insert(0, str(ROOT))

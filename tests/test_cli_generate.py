@@ -16,11 +16,20 @@ import torch
 from safetensors.torch import save_file
 
 from kvcache.cli import main
+from kvcache.cli.generate import PREFILL_BLOCK
 from kvcache.generation import generate
 from kvcache.models import DecoderConfig, DecoderLM, default
 
-PROMPT = "The cache holds every token but the last one, so"
-LONGER = PROMPT + " a later call feeds only what is new"
+PROMPT = "The cache holds every token but the last one, so" + " the cache holds every token, so" * 15
+LONGER = PROMPT + " a later call feeds only what is new," * 7
+
+
+def whole(text: str) -> int:
+    """How many of a prompt's tokens the CLI prefills in whole blocks (and so saves or stores)."""
+    return (len(text) - 1) // PREFILL_BLOCK * PREFILL_BLOCK
+
+
+assert whole(PROMPT) >= 2 * PREFILL_BLOCK and whole(LONGER) > whole(PROMPT)  # the tests need whole blocks
 
 
 def kvcache(*args: str, runner: tuple[str, ...] = (sys.executable, "-m", "kvcache")) -> subprocess.CompletedProcess:
@@ -85,7 +94,7 @@ def test_save_then_resume_prints_exactly_the_uninterrupted_text(saved_prompt: Pa
         assert uninterrupted.returncode == resumed.returncode == 0, resumed.stderr
         assert len(uninterrupted.stdout) > 10
         assert resumed.stdout == uninterrupted.stdout
-        assert "32 reused" in resumed.stderr and "0 reused" in uninterrupted.stderr
+        assert f"{whole(PROMPT)} reused" in resumed.stderr and "0 reused" in uninterrupted.stderr
 
 
 @bundled
@@ -130,11 +139,11 @@ def test_resume_is_exact_with_a_stand_in_model(stand_in_model, capsys, tmp_path:
     saved = tmp_path / "p.kvcache"
     assert _cli(capsys, PROMPT, "--max-new-tokens", "0", "--save-cache", str(saved))[:2] == (0, "")
     for prompt in (PROMPT, LONGER):
-        code, whole, _ = _cli(capsys, prompt, "--max-new-tokens", "25", "--seed", "3", "--top-k", "9")
+        code, plain, _ = _cli(capsys, prompt, "--max-new-tokens", "25", "--seed", "3", "--top-k", "9")
         args = (prompt, "--max-new-tokens", "25", "--seed", "3", "--top-k", "9")
         code2, resumed, err = _cli(capsys, *args, "--cache", str(saved))
-        assert code == code2 == 0 and resumed == whole and len(whole) == 26
-        assert "32 reused" in err
+        assert code == code2 == 0 and resumed == plain and len(plain) == 26
+        assert f"{whole(PROMPT)} reused" in err
     code, greedy, _ = _cli(capsys, PROMPT, "--max-new-tokens", "12", "--temperature", "0", "--defer-stop", "on")
     ids = torch.tensor([tokenizer.encode(PROMPT)])
     expected = generate(model, ids, max_new_tokens=12).sequences[0, ids.shape[1] :].tolist()
@@ -186,7 +195,7 @@ def test_small_things_a_user_hits(stand_in_model, capsys, tmp_path: Path, monkey
 
     saved = tmp_path / "p.kvcache"
     code, _, err = _cli(capsys, PROMPT, "--max-new-tokens", "0", "--save-cache", str(saved))
-    assert code == 0 and f"32 of the prompt's {len(PROMPT)} tokens" in err
+    assert code == 0 and f"{whole(PROMPT)} of the prompt's {len(PROMPT)} tokens" in err
 
     with pytest.raises(SystemExit) as info:
         main(["--version"])
@@ -201,12 +210,12 @@ def test_prefix_store_reuses_the_prompt_and_prints_the_same_text(stand_in_model,
     code, plain, _ = _cli(capsys, LONGER, *args)
     runs = [_cli(capsys, LONGER, *args, "--prefix-store", str(store)) for _ in range(2)]
     assert [r[0] for r in runs] == [0, 0] and runs[0][1] == runs[1][1] == plain
-    assert "miss, 0 token(s) reused" in runs[0][2] and "hit, 80 token(s) reused" in runs[1][2]
-    code, _, err = _cli(capsys, PROMPT, *args, "--prefix-store", str(store))  # 48 tokens: 2 whole blocks
-    assert code == 0 and "hit, 32 token(s) reused" in err
+    assert "miss, 0 token(s) reused" in runs[0][2] and f"hit, {whole(LONGER)} token(s) reused" in runs[1][2]
+    code, _, err = _cli(capsys, PROMPT, *args, "--prefix-store", str(store))  # a prefix of LONGER's blocks
+    assert code == 0 and f"hit, {whole(PROMPT)} token(s) reused" in err
     assert main(["store", str(store)]) == 0
     report = capsys.readouterr().out
-    assert "chunks:        5" in report and "hits:          2 (hit rate 67%)" in report
+    assert f"chunks:        {whole(LONGER) // PREFILL_BLOCK}" in report and "hits:          2 (hit rate 67%)" in report
     code, out, err = _cli(capsys, PROMPT, "--prefix-store", str(store), "--cache", str(tmp_path / "x"))
     assert (code, out) == (2, "") and "alternatives" in err
 
@@ -236,7 +245,7 @@ def test_store_locations_a_user_gets_wrong_are_one_line_errors(stand_in_model, c
     store = tmp_path / "store"
     assert _cli(capsys, LONGER, "--max-new-tokens", "2", "--prefix-store", str(store))[0] == 0
     assert main(["store", str(store), "--clear"]) == 0
-    assert "cleared 5 chunk(s)" in capsys.readouterr().out
+    assert f"cleared {whole(LONGER) // PREFILL_BLOCK} chunk(s)" in capsys.readouterr().out
     assert main(["store", str(store)]) == 0 and "chunks:        0" in capsys.readouterr().out
 
 
@@ -252,12 +261,12 @@ def test_a_long_prefill_shows_progress_when_stderr_is_not_a_terminal(stand_in_mo
     never on stdout; the text is the same as without it."""
     from kvcache import progress
 
-    plain = _cli(capsys, LONGER * 3, "--max-new-tokens", "5", "--temperature", "0")
+    plain = _cli(capsys, LONGER * 4, "--max-new-tokens", "5", "--temperature", "0")
     monkeypatch.setattr(progress, "LINE_EVERY_S", 0.0)
-    code, out, err = _cli(capsys, LONGER * 3, "--max-new-tokens", "5", "--temperature", "0")
+    code, out, err = _cli(capsys, LONGER * 4, "--max-new-tokens", "5", "--temperature", "0")
     lines = [line for line in err.splitlines() if line.startswith("prefill:")]
     assert code == 0 and out == plain[1] and "prefill" not in out
-    assert len(lines) >= 10 and lines[-1].startswith(f"prefill: {(len(LONGER * 3) - 1) // 16 * 16:,}/")
+    assert len(lines) >= 10 and lines[-1].startswith(f"prefill: {whole(LONGER * 4):,}/")
 
 
 def test_a_store_key_comes_from_a_file_or_the_environment(stand_in_model, capsys, tmp_path: Path, monkeypatch) -> None:
@@ -268,11 +277,11 @@ def test_a_store_key_comes_from_a_file_or_the_environment(stand_in_model, capsys
     key_file.write_bytes(b"0123456789abcdef-secret\n")
     args = (LONGER, "--max-new-tokens", "4", "--prefix-store", str(store))
     assert _cli(capsys, *args, "--prefix-store-key-file", str(key_file))[0] == 0
-    assert "hit, 80 token(s)" in _cli(capsys, *args, "--prefix-store-key-file", str(key_file))[2]
+    assert f"hit, {whole(LONGER)} token(s)" in _cli(capsys, *args, "--prefix-store-key-file", str(key_file))[2]
     assert "miss, 0 token(s)" in _cli(capsys, *args)[2]
     monkeypatch.setenv("KVCACHE_PREFIX_STORE_KEY", "0123456789abcdef-secret")
     code, out, err = _cli(capsys, *args)
-    assert code == 0 and "hit, 80 token(s)" in err and "secret" not in out + err
+    assert code == 0 and f"hit, {whole(LONGER)} token(s)" in err and "secret" not in out + err
     monkeypatch.setenv("KVCACHE_PREFIX_STORE_KEY", "short")
     code, out, err = _cli(capsys, *args)
     assert (code, out) == (2, "") and "at least 16 bytes" in err and err.count("\n") == 1

@@ -150,7 +150,9 @@ def test_decode_appends_do_not_reallocate_within_capacity(kind: str) -> None:
             assert layer.nbytes() != size or kind == "sliding"  # a window may slide within its storage
             moves += 1
         ptr, size = storage_ptr(k), layer.nbytes()
-    assert moves <= {"dynamic": 4, "sliding": 1, "static": 0}[kind]  # 64 -> 128 -> 192 -> 256 rows
+    # dynamic: 64 -> 128 -> 192 -> 256 rows; sliding (8-row blocks, doubling up to the window's
+    # 72 rows): 8 -> 24 -> 56 -> 72, then slides within those 72 rows
+    assert moves <= {"dynamic": 4, "sliding": 5, "static": 0}[kind]
 
 
 def test_dynamic_reallocations_grow_geometrically() -> None:
@@ -179,19 +181,20 @@ def test_appends_never_hold_more_than_the_growth_bound() -> None:
 
 
 def test_sliding_decode_keeps_one_storage_forever() -> None:
-    """A sliding window decoding far past its window reuses its storage (slides, never regrows)."""
+    """A sliding window decoding far past its window fills it in a few doublings, then reuses one
+    storage forever (slides, never regrows), holding 1.125x its kept tokens in blocks of W / 8."""
     layer = SlidingWindowLayer(100)
-    ptrs = set()
+    filling, settled = set(), set()
     for seed in range(3000):
         layer.update(*kv(1, seed % 5, batch=1, heads=1, dim=2))
-        ptrs.add(storage_ptr(layer.state["keys"]))
-    assert len(ptrs) <= 2
-    assert layer.nbytes() <= 2 * 2 * 4 * 128  # keys+values, 2 dims, fp32: 1.125 x 99 rows, in 64-row blocks
+        (filling if seed < 100 else settled).add(storage_ptr(layer.state["keys"]))
+    assert len(settled) == 1 and len(filling) <= 5  # 13 -> 39 -> 91 -> 117 rows
+    assert layer.nbytes() <= 2 * 2 * 4 * 117  # keys+values, 2 dims, fp32: 1.125 x 99 rows, in 13-row blocks
 
 
 @pytest.mark.parametrize("recorded", [0, 1, 4, 16, 64])
 def test_sliding_window_holds_its_bound_plus_an_eighth(recorded: int) -> None:
-    """Bytes held by a recording window stay within 1.125x of `W - 1 + r` tokens plus a 64-token block,
+    """Bytes held by a recording window stay within 1.125x of `W - 1 + r` tokens plus 64 rows (its blocks: 128),
     after a long prefill, while recording, and after a long decode and commit."""
     window, row = 1024, 2 * 2 * 4  # keys+values, head_dim 2, fp32
     layer = SlidingWindowLayer(window)

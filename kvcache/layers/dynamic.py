@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from typing_extensions import Self
@@ -10,20 +10,25 @@ from typing_extensions import Self
 from ..errors import CacheInputError
 from ..validation import check_query_length, check_row_lengths
 from .base import CacheLayer, register_layer
-from .kv_buffer import GROWTH, KVBuffer
+from .kv_buffer import Headroom, KVBuffer
 
 
 @register_layer
 class DynamicLayer(CacheLayer):
     """All keys/values seen. An append costs the new tokens only; `crop(-n)` moves an index."""
 
-    #: Headroom of the growth buffer (see `kv_buffer`).
-    growth: ClassVar[float] = GROWTH
     crops_rows = True
 
     def __init__(self) -> None:
         super().__init__()
-        self._kv = KVBuffer(self.growth)
+        self._kv = self._new_buffer()
+
+    def _new_buffer(self) -> KVBuffer:
+        return KVBuffer(self.headroom())
+
+    def headroom(self) -> Headroom:
+        """How the layer's buffer sizes its storage (a window's depends on its width)."""
+        return Headroom()
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -80,7 +85,7 @@ class DynamicLayer(CacheLayer):
         self._kv.shrink()
 
     def reset(self) -> None:
-        self._kv = KVBuffer(self.growth)
+        self._kv = self._new_buffer()
 
     @property
     def batch_size(self) -> int | None:
@@ -121,7 +126,7 @@ class DynamicLayer(CacheLayer):
             raise CacheInputError(f"{type(self).__name__}: expected tensors 'keys' and 'values', got {sorted(state)}")
         keys, values = state["keys"], state["values"]
         check_loaded_pair(keys, values, kept, type(self).__name__)
-        self._kv = KVBuffer.from_tensors(keys, values, self.growth)  # a copy: the layer never aliases what it was given
+        self._kv = KVBuffer.from_tensors(keys, values, self.headroom())  # a copy: never aliases its input
 
     def _load_row_lengths(self, meta_state: dict[str, Any], kept: int) -> None:
         """Take over the per-row lengths of a ragged layer (absent: every row holds `kept`)."""

@@ -9,6 +9,8 @@ copied, batch-indexed or committed: spare capacity is invisible to the computati
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..errors import CacheInputError
@@ -20,17 +22,44 @@ CAPACITY_BLOCK = 64
 GROWTH = 1.25
 #: The headroom of a sliding window's buffer: its live size is bounded, so the headroom only sets
 #: how often it slides in place (a copy of the window every `W / 8` appended tokens) and what it holds
-#: beyond `W - 1 + r` (1.125x, plus a block).
+#: beyond `W - 1 + r` (1.125x, plus a block of `window_block(W)` tokens: 1.25x at most).
 WINDOW_GROWTH = 1.125
 #: A window whose dropped front holds at least 1/MAX_SLIDE_CHUNKS of its live rows slides down in
 #: place (that many non-overlapping copies) rather than reallocating.
 MAX_SLIDE_CHUNKS = 8
 
 
-def capacity_for(n: int, growth: float = GROWTH) -> int:
+def capacity_for(n: int, growth: float = GROWTH, block: int = CAPACITY_BLOCK) -> int:
     """Storage rows to allocate for `n` live tokens: headroom for appends, rounded to a block."""
     want = int(n * growth) + 1
-    return -(-want // CAPACITY_BLOCK) * CAPACITY_BLOCK
+    return -(-want // block) * block
+
+
+@dataclass(frozen=True)
+class Headroom:
+    """How a buffer sizes its storage: `growth` times the live tokens, in blocks of `block` rows.
+
+    A buffer whose live size settles at `limit` tokens (a sliding window's `W - 1`) doubles while it
+    is still below it, up to the storage that limit needs, so filling the window takes a few
+    reallocations rather than one per block, and the settled storage is still `growth` x `limit`.
+    """
+
+    growth: float = GROWTH
+    block: int = CAPACITY_BLOCK
+    limit: int | None = None
+
+    @classmethod
+    def for_window(cls, window: int) -> Headroom:
+        """A window's: blocks of an eighth of it (at least 8 rows), so a window of 64 is not held in
+        64-row blocks (2x of its size); a little headroom, since its size is bounded."""
+        return cls(WINDOW_GROWTH, max(8, -(-window // 8)), window - 1)
+
+    def capacity(self, n: int) -> int:
+        """Storage rows to allocate for `n` live tokens."""
+        cap = capacity_for(n, self.growth, self.block)
+        if self.limit is not None and n < self.limit:
+            cap = max(cap, min(capacity_for(n, 2.0, self.block), capacity_for(self.limit, self.growth, self.block)))
+        return cap
 
 
 def check_kv_pair(key_states: torch.Tensor, value_states: torch.Tensor, who: str) -> None:
@@ -88,9 +117,9 @@ class KVBuffer:
     mutating call.
     """
 
-    __slots__ = ("_keys_bm", "_signature", "_values_bm", "end", "growth", "keys", "row_ends", "start", "values")
+    __slots__ = ("_keys_bm", "_signature", "_values_bm", "end", "headroom", "keys", "row_ends", "start", "values")
 
-    def __init__(self, growth: float = GROWTH) -> None:
+    def __init__(self, headroom: Headroom = Headroom()) -> None:
         self.keys: torch.Tensor | None = None  # [capacity, batch, kv_heads, head_dim]
         self.values: torch.Tensor | None = None
         self._keys_bm: torch.Tensor | None = None  # the same storage seen as [batch, kv_heads, capacity, head_dim]
@@ -98,7 +127,7 @@ class KVBuffer:
         self._signature: tuple = ()  # (batch, kv_heads, key dim, value dim, dtype, device) that updates must match
         self.start = 0
         self.end = 0
-        self.growth = growth
+        self.headroom = headroom
         # After a per-row crop: where each batch row's tokens end (storage rows; `end` is their max).
         # Rows stay contiguous from `start`; a shorter row's slots past its end hold stale finite
         # values its causal mask hides. None: every row ends at `end`.
@@ -111,21 +140,21 @@ class KVBuffer:
         self._signature = (keys.shape[1], keys.shape[2], keys.shape[3], values.shape[3], keys.dtype, keys.device)
 
     @classmethod
-    def from_tensors(cls, keys: torch.Tensor, values: torch.Tensor, growth: float = GROWTH) -> KVBuffer:
+    def from_tensors(cls, keys: torch.Tensor, values: torch.Tensor, headroom: Headroom = Headroom()) -> KVBuffer:
         """A buffer holding a copy of `[batch, heads, seq, dim]` `keys`/`values`, with the headroom a
         grown buffer has (so the next append costs what a steady append costs)."""
-        buf = cls(growth)
+        buf = cls(headroom)
         buf._adopt(_seq_major(keys), _seq_major(values))
         return buf
 
     @classmethod
-    def from_chunks(cls, chunks: list[tuple[torch.Tensor, torch.Tensor]], growth: float = GROWTH) -> KVBuffer:
+    def from_chunks(cls, chunks: list[tuple[torch.Tensor, torch.Tensor]], headroom: Headroom = Headroom()) -> KVBuffer:
         """A buffer holding copies of `[batch, heads, n_i, dim]` key/value chunks, in order, with
         headroom: one copy of each chunk, straight into the storage (no concatenated temporary)."""
-        buf = cls(growth)
+        buf = cls(headroom)
         total = sum(k.shape[2] for k, _ in chunks)
         first_k, first_v = chunks[0]
-        cap = capacity_for(total, growth)
+        cap = headroom.capacity(total)
         buf._set_storage(
             first_k.new_empty(cap, *first_k.shape[:2], first_k.shape[3]),
             first_v.new_empty(cap, *first_v.shape[:2], first_v.shape[3]),
@@ -210,7 +239,7 @@ class KVBuffer:
 
     def _reserve(self, n: int, key_like: torch.Tensor, value_like: torch.Tensor) -> None:
         if self.keys is None or self.values is None:
-            cap = capacity_for(n, self.growth)
+            cap = self.headroom.capacity(n)
             self._set_storage(
                 key_like.new_empty(cap, *key_like.shape[:2], key_like.shape[3]),
                 value_like.new_empty(cap, *value_like.shape[:2], value_like.shape[3]),
@@ -244,7 +273,7 @@ class KVBuffer:
     def _adopt(self, keys: torch.Tensor, values: torch.Tensor, extra: int = 0) -> None:
         """Fresh storage holding copies of sequence-major `keys`/`values`, sized for `extra` more."""
         live = keys.shape[0]
-        cap = capacity_for(live + extra, self.growth)
+        cap = self.headroom.capacity(live + extra)
         new_keys = keys.new_empty(cap, *keys.shape[1:])
         new_values = values.new_empty(cap, *values.shape[1:])
         new_keys[:live].copy_(keys)
@@ -289,7 +318,7 @@ class KVBuffer:
         never alternates with a regrowth."""
         if self.keys is None or self.values is None:
             return
-        if self.capacity > 2 * capacity_for(len(self), self.growth):
+        if self.capacity > 2 * self.headroom.capacity(len(self)):
             self._adopt(self.keys[self.start : self.end], self.values[self.start : self.end])
 
     def index_batch(self, index: torch.Tensor) -> None:

@@ -31,7 +31,7 @@ from ..errors import CacheInputError
 from ..validation import check_move, check_query_length, check_row_lengths
 from .base import CacheLayer, register_layer
 from .dynamic import nonneg_int
-from .kv_buffer import GROWTH, KVBuffer
+from .kv_buffer import KVBuffer
 from .quant import check_quant, dequantize, groups_of, quantize
 
 DEFAULT_RESIDUAL = 32
@@ -57,9 +57,9 @@ class QuantizedLayer(CacheLayer):
         self._reset()
 
     def _reset(self) -> None:
-        self._fp = KVBuffer(GROWTH)  # full-precision tokens [fp_start, end of each row)
-        self._q = KVBuffer(GROWTH)  # quantized data of tokens [q_start, quantized)
-        self._p = KVBuffer(GROWTH)  # their scales and zero points
+        self._fp = KVBuffer()  # full-precision tokens [fp_start, end of each row)
+        self._q = KVBuffer()  # quantized data of tokens [q_start, quantized)
+        self._p = KVBuffer()  # their scales and zero points
         self._fp_start = self._q_start = self._quantized = 0
         self._group = 0
 
@@ -127,7 +127,7 @@ class QuantizedLayer(CacheLayer):
             return
         begin = max(self._quantized, self._fp_start)
         if begin > max(self._quantized, self._q_start):  # tokens before `begin` left every window unquantized
-            self._q, self._p = KVBuffer(GROWTH), KVBuffer(GROWTH)
+            self._q, self._p = KVBuffer(), KVBuffer()
             self._q_start = begin
         if target > begin:
             lo, hi = begin - self._fp_start, target - self._fp_start
@@ -313,7 +313,7 @@ class QuantizedLayer(CacheLayer):
             raise CacheInputError(f"{name}: inconsistent lengths (seen {seen}, full precision from {fp_start}, "
                                   f"quantized [{q_start}, {quantized}))")  # fmt: skip
         layer._group = groups_of(keys.shape[3], layer.group_size)
-        layer._fp = KVBuffer.from_tensors(keys, values, GROWTH)
+        layer._fp = KVBuffer.from_tensors(keys, values)
         layer._fp_start, layer._q_start, layer._quantized = fp_start, q_start, quantized
         if quantized > q_start:
             n = quantized - q_start
@@ -326,8 +326,8 @@ class QuantizedLayer(CacheLayer):
             if not ok:
                 raise CacheInputError(f"{name}: quantized tensors do not fit {layer.bits}-bit keys of "
                                       f"{tuple(keys.shape)} and {n} quantized token(s)")  # fmt: skip
-            layer._q = KVBuffer.from_tensors(data_k, data_v, GROWTH)
-            layer._p = KVBuffer.from_tensors(pk, pv, GROWTH)
+            layer._q = KVBuffer.from_tensors(data_k, data_v)
+            layer._p = KVBuffer.from_tensors(pk, pv)
         lengths = meta_state.get("row_lengths")
         held = [n - fp_start for n in lengths] if isinstance(lengths, list) and all(
             isinstance(n, int) for n in lengths) else lengths  # fmt: skip

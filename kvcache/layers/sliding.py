@@ -11,7 +11,7 @@ from ..errors import CacheInputError
 from ..validation import check_query_length
 from .base import register_layer
 from .dynamic import DynamicLayer, nonneg_int
-from .kv_buffer import WINDOW_GROWTH
+from .kv_buffer import Headroom
 
 
 @register_layer
@@ -24,15 +24,17 @@ class SlidingWindowLayer(DynamicLayer):
     """
 
     is_sliding = True
-    growth = WINDOW_GROWTH  # the live size is bounded: less headroom, more frequent slides in place
 
     def __init__(self, sliding_window: int) -> None:
         if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
             raise CacheInputError(f"sliding_window must be a positive int, got {sliding_window!r}")
-        super().__init__()
         self.sliding_window = sliding_window
+        super().__init__()
         self._seen = 0  # tokens seen and not rolled back
         self._seen_at_commit = 0
+
+    def headroom(self) -> Headroom:
+        return Headroom.for_window(self.sliding_window)
 
     @property
     def _working_size(self) -> int:

@@ -134,6 +134,7 @@ class DecoderLM(nn.Module):
         if position_ids is None:
             position_ids = default_position_ids(batch, length, rows_past, attention_mask, input_ids.device)
         x = self.embed(input_ids)
+        masks: dict[tuple, torch.Tensor] = {}  # attention masks this forward's layers share
         for block in self.layers:
-            x = block(x, position_ids, cache=cache, past_length=rows_past, attention_mask=attention_mask)
+            x = block(x, position_ids, cache=cache, past_length=rows_past, attention_mask=attention_mask, masks=masks)
         return self.lm_head(self.norm(x))

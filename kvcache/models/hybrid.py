@@ -167,12 +167,13 @@ class HybridBlock(nn.Module):
         cache: Cache | None,
         past_length: int | torch.Tensor,
         attention_mask: torch.Tensor | None,
+        masks: dict[tuple, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         h = self.norm(x)
         mixed = torch.zeros_like(x)
         if self.attn is not None:
             mixed = mixed + self.attn(
-                h, position_ids, cache=cache, past_length=past_length, attention_mask=attention_mask
+                h, position_ids, cache=cache, past_length=past_length, attention_mask=attention_mask, masks=masks
             )
         if self.recurrent is not None:
             token_mask = None if attention_mask is None else attention_mask[:, -x.shape[1] :]

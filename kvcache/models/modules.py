@@ -1,15 +1,15 @@
-"""Building blocks shared by the reference models: norm, rotary embedding, MLP, attention, masks.
+"""Building blocks shared by the reference models: norm, rotary embedding, MLP, the attention
+module, input checks.
 
 Attention reads its mask geometry from the cache exactly like transformers' model code: before
 appending, `cache.get_mask_sizes(query_length, layer_idx)` says how many keys the update will
 return (`kv_length`) and the absolute position of the first one (`kv_offset`); the causal,
-sliding-window and padding masks are then built for those key positions. A sliding layer that
-returns only its window therefore gets the right columns of the padding mask.
+sliding-window and padding masks (`attention`) are then built for those key positions. A sliding
+layer that returns only its window therefore gets the right columns of the padding mask.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -18,6 +18,9 @@ from torch import nn
 
 from ..cache import Cache
 from ..errors import CacheInputError, KVCacheError
+from .attention import attend, attention_bias, masked_attention
+
+__all__ = ["attend", "attention_bias", "masked_attention"]  # re-exported: the models import them from here
 
 
 def init_weights(module: nn.Module) -> None:
@@ -140,57 +143,6 @@ def default_position_ids(
     return (past_length + torch.arange(length, device=device)).expand(batch, length)
 
 
-def attention_bias(
-    *,
-    query_length: int,
-    past_length: int | torch.Tensor,
-    kv_length: int,
-    kv_offset: int,
-    sliding_window: int | None,
-    attention_mask: torch.Tensor | None,
-    dtype: torch.dtype,
-    device: torch.device,
-    causal: bool = True,
-) -> torch.Tensor:
-    """Additive mask `[batch or 1, 1, query_length, kv_length]`: 0 where a query may attend, the
-    dtype's minimum elsewhere.
-
-    Query `i` sits at absolute position `past_length + i` (of its own row, when `past_length` is a
-    `[batch]` tensor: rows of a ragged cache), key `j` at `kv_offset + j`; a key is visible when it
-    is not in the future (for a `causal` mask), within the window for a sliding layer, and not
-    padding (`attention_mask[:, kv_offset + j]`). Keys past the mask's end (a static cache's
-    unwritten slots, a shorter row's stale slots) are future keys and stay hidden.
-    """
-    per_row = isinstance(past_length, torch.Tensor) and past_length.dim() == 1  # 0-dim: a compiled static length
-    start = past_length[:, None] if per_row else past_length
-    q_pos = start + torch.arange(query_length, device=device)[None, :]  # [batch or 1, q]
-    k_pos = kv_offset + torch.arange(kv_length, device=device)
-    allowed = k_pos[None, None, :] <= q_pos[:, :, None]
-    if not causal:
-        allowed = torch.ones_like(allowed)
-    if sliding_window is not None:
-        allowed &= (q_pos[:, :, None] - k_pos[None, None, :]) < sliding_window
-    allowed = allowed[:, None]
-    if attention_mask is not None:
-        columns = k_pos.clamp(max=attention_mask.shape[1] - 1)
-        allowed = allowed & attention_mask.bool()[:, columns][:, None, None, :]
-    bias = torch.zeros(allowed.shape, dtype=dtype, device=device)
-    return bias.masked_fill(~allowed, torch.finfo(dtype).min)
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """Softmax attention `[batch, heads, q, head_dim]`; `k`/`v` may have fewer (grouped) heads."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1]) + bias
-    # at least float32, never less precise than the model: a float64 model's mask value (its
-    # dtype's minimum) would round to -inf in float32, and a query that sees no key at all (a pad
-    # position) would turn NaN and poison the keys the next layer caches for it
-    return torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(q.dtype) @ v
-
-
 class SelfAttention(nn.Module):
     """Self-attention with rotary positions, grouped-query heads and an optional sliding window,
     reading and growing `cache` layer `layer_idx`. `causal=False` (an encoder) takes no cache."""
@@ -235,6 +187,7 @@ class SelfAttention(nn.Module):
         cache: Cache | None,
         past_length: int | torch.Tensor,
         attention_mask: torch.Tensor | None,
+        masks: dict[tuple, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         batch, length, _ = x.shape
         q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
@@ -253,16 +206,7 @@ class SelfAttention(nn.Module):
                 raise KVCacheError(
                     f"layer {self.layer_idx}: cache returned {k.shape[2]} keys, get_mask_sizes said {kv_length}"
                 )
-        bias = attention_bias(
-            query_length=length,
-            past_length=past_length,
-            kv_length=kv_length,
-            kv_offset=kv_offset,
-            sliding_window=self.sliding_window,
-            attention_mask=attention_mask,
-            dtype=x.dtype,
-            device=x.device,
-            causal=self.causal,
-        )
-        out = attend(q, k, v, bias)
+        out = masked_attention(q, k, v, past_length=past_length, kv_offset=kv_offset,
+                               sliding_window=self.sliding_window, attention_mask=attention_mask, causal=self.causal,
+                               masks=masks)  # fmt: skip
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))

@@ -143,7 +143,7 @@ def rebuild(path: list[Payload], device: torch.device | None = None) -> CacheLay
     if isinstance(last, Delta):
         layer = DynamicLayer()  # one copy of each chunk, straight into the layer's storage
         chunks = [(p.keys.to(device), p.values.to(device)) for p in path]  # type: ignore[union-attr]
-        layer._kv = KVBuffer.from_chunks(chunks, layer.growth)
+        layer._kv = KVBuffer.from_chunks(chunks, layer.headroom())
         return layer
     if isinstance(last, HybridPayload):
         attention = rebuild([p.attention for p in path], device)  # type: ignore[union-attr]
