@@ -162,6 +162,7 @@ def test_greedy_output_and_caches_equal_plain_decoding(targets, kind, agree, k):
         num_draft_tokens=k,
         max_new_tokens=NEW_TOKENS,
         intermediate_states=False if kind == "hybrid_refeed" else None,
+        draft_schedule="acceptance",  # the step counts below assume it (the default also times steps)
     )
     assert out.sequences[0].tolist() == expected
     assert_same_cache(out.cache, expected_cache)
@@ -216,19 +217,23 @@ def test_without_intermediate_states_target_forwards_are_those_of_the_crop_path(
         assert runs[False].target_rollback_paths["refeed"] and not runs[True].target_rollback_paths["refeed"]
 
 
-def test_adaptive_schedule_shrinks_drafts_that_fail_and_keeps_those_that_pass(targets):
+def test_acceptance_schedule_shrinks_drafts_that_fail_and_keeps_those_that_pass(targets):
     target = targets["full"]
     prompt = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(4))
     never = speculative_generate(target, ModelDrafter(SteeredDraft(target, "never")), prompt,
-                                 num_draft_tokens=6, max_new_tokens=20)  # fmt: skip
+                                 num_draft_tokens=6, max_new_tokens=20, draft_schedule="acceptance")  # fmt: skip
     assert never.proposed_per_step[:6] == [6, 5, 4, 3, 2, 1] and set(never.proposed_per_step[6:-1]) == {1}
     always = speculative_generate(target, ModelDrafter(SteeredDraft(target, "always")), prompt,
-                                  num_draft_tokens=6, max_new_tokens=20)  # fmt: skip
+                                  num_draft_tokens=6, max_new_tokens=20, draft_schedule="acceptance")  # fmt: skip
     assert always.proposed_per_step[:2] == [6, 6] and always.accepted_per_step == always.proposed_per_step
     constant = speculative_generate(target, ModelDrafter(SteeredDraft(target, "never")), prompt,
                                     num_draft_tokens=6, max_new_tokens=20, draft_schedule="constant")  # fmt: skip
     assert set(constant.proposed_per_step[:-6]) == {6}  # the last steps draft less: max_new_tokens
+    timed = speculative_generate(target, ModelDrafter(SteeredDraft(target, "never")), prompt,
+                                 num_draft_tokens=6, max_new_tokens=20)  # fmt: skip  (the default: timed)
+    assert timed.proposed_per_step[1] == 0  # one plain step early on, to compare drafting against
     assert never.sequences.tolist() == always.sequences.tolist() == constant.sequences.tolist()
+    assert timed.sequences.tolist() == never.sequences.tolist()
     with pytest.raises(GenerationError, match="draft_schedule"):
         speculative_generate(target, PromptLookupDrafter(), prompt, max_new_tokens=2, draft_schedule="fast")
 
@@ -318,7 +323,8 @@ def test_intermediate_states_switch_is_restored(targets):
 def test_statistics(targets):
     target = targets["full"]
     out = speculative_generate(
-        target, SteeredDraft(target, "always"), torch.tensor([[1, 2, 3]]), num_draft_tokens=3, max_new_tokens=12
+        target, SteeredDraft(target, "always"), torch.tensor([[1, 2, 3]]), num_draft_tokens=3, max_new_tokens=12,
+        draft_schedule="acceptance",
     )
     assert out.proposed_per_step == out.accepted_per_step == [3, 3, 3]
     assert out.emitted_per_step == [4, 4, 4] and out.num_new_tokens == 12

@@ -20,6 +20,7 @@ different numbers of tokens and the caches are cropped per row.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +29,7 @@ import torch
 
 from ..cache import Cache
 from ..errors import GenerationError
-from .draft_schedule import DraftLength
+from .draft_schedule import DraftGate, DraftLength
 from .drafters import Draft, Drafter, ModelDrafter, check_draft
 from .inputs import (
     check_cache,
@@ -216,8 +217,11 @@ def speculative_generate(
     cache, or the `cache` and `draft_cache` a previous call returned), as `generate` does: pass the
     whole sequence so far as `input_ids`; what a cache already holds is skipped. Decoder-only
     targets; each cache is checked against its model before any work.
-    `draft_schedule`: "adaptive" (the default: start at `num_draft_tokens`, at most that many; down
-    by one after a rejection, never below 1, up by two after a fully accepted draft) or
+    `draft_schedule`: "acceptance" (start at `num_draft_tokens`, at most that many; down by one
+    after a rejection, never below 1, up by two after a fully accepted draft); "adaptive" (the
+    default: that draft length, and for greedy decoding no drafting at all while drafts cost more
+    per token than plain steps, measured in the run, with a one-token probe now and then; sampling
+    uses "acceptance", which keeps seeded runs reproducible, and so do batches, row by row);
     "constant" (always `num_draft_tokens`). Greedy output does not depend on it.
     `prefix_store`: the target starts from the prompt's longest stored prefix, as in `generate`.
     """
@@ -227,8 +231,9 @@ def speculative_generate(
     batched = _is_batch(input_ids, attention_mask)
     check_int("num_draft_tokens", num_draft_tokens, minimum=1)
     check_int("max_new_tokens", max_new_tokens, minimum=1)
-    if draft_schedule not in ("adaptive", "constant"):
-        raise GenerationError(f"draft_schedule must be 'adaptive' or 'constant', got {draft_schedule!r}")
+    if draft_schedule not in SCHEDULES:
+        names = ", ".join(map(repr, SCHEDULES))
+        raise GenerationError(f"draft_schedule must be one of {names}, got {draft_schedule!r}", param="draft_schedule")
     eos_token_id = model_default(target, "eos_token_id", eos_token_id)
     pad_token_id = model_default(target, "pad_token_id", pad_token_id)
     eos = frozenset(check_token_list("eos_token_id", eos_token_id, int(target.vocab_size)))
@@ -265,14 +270,19 @@ def speculative_generate(
     runner.prefill(sequence)
     restore = use_intermediate(True)
     try:
-        schedule = DraftLength(num_draft_tokens, adaptive=draft_schedule == "adaptive")
-        out = _decode(runner, drafter, verifier, sequence, schedule, max_new_tokens, eos)
+        schedule = DraftLength(num_draft_tokens, adaptive=draft_schedule != "constant")
+        # timing decides when to draft, so a sampled run would consume its generator differently
+        # from one run to the next: sampling keeps the reproducible schedule
+        gate = DraftGate() if draft_schedule == "adaptive" and not do_sample else None
+        out = _decode(runner, drafter, verifier, sequence, schedule, max_new_tokens, eos, gate)
     finally:
         restore()
     out.sequences = torch.tensor([sequence], dtype=torch.long, device=device)
     return out
 
 
+#: The `draft_schedule` values `speculative_generate` takes.
+SCHEDULES = ("adaptive", "acceptance", "constant")
 #: How many kept-but-unfed tokens (per draft token allowed) a target that cannot crop inside a
 #: forward carries in front of its verify forwards before one plain step feeds them. A plain step
 #: forgoes one step of speculation; more pending tokens make each forward longer. At 4, forwards
@@ -288,6 +298,7 @@ def _decode(
     schedule: DraftLength,
     max_new_tokens: int,
     eos: frozenset[int],
+    gate: DraftGate | None = None,
 ) -> SpeculativeOutput:
     """The draft / verify / roll back loop; extends `sequence` in place."""
     out = SpeculativeOutput(
@@ -298,10 +309,13 @@ def _decode(
         # Kept tokens a deferred re-feed left out of the target's cache go in front of this forward.
         # A fully accepted draft leaves the cache whole again; once PENDING_PER_DRAFT_TOKEN per draft
         # token pile up, a plain step (no draft, nothing to roll back) feeds them.
+        started = time.perf_counter()
         pending = len(sequence) - 1 - len(runner.tokens)
         budget = min(schedule.current, max_new_tokens - generated - 1)  # the target adds one token itself
         if pending >= PENDING_PER_DRAFT_TOKEN * schedule.maximum:
             budget = 0
+        elif gate is not None:
+            budget = gate.budget(budget)
         proposal = drafter.propose(sequence, budget, verifier.pick) if budget > 0 else Draft([])
         proposal = check_draft(proposal, budget, runner.vocab_size)
         logits = runner.feed(sequence[len(runner.tokens) :] + proposal.tokens)[pending:]
@@ -315,6 +329,8 @@ def _decode(
         generated += len(new_tokens)
         out.target_rollback_paths[runner.truncate(len(sequence) - 1, defer_refeed=True)] += 1
         out.draft_rollback_paths[drafter.accept(sequence)] += 1
+        if gate is not None:  # a plain step feeding re-fed tokens pays for the drafts before it
+            gate.record(bool(proposal.tokens), time.perf_counter() - started, len(new_tokens), refeed=pending > 0)
         out.proposed_per_step.append(len(proposal.tokens))
         out.accepted_per_step.append(accepted)
         out.emitted_per_step.append(len(new_tokens))

@@ -234,7 +234,7 @@ def speculate_batch(
     target_rows, switch = row_states(target, intermediate_states)
     return decode_batch(
         target, drafter, verifier, input_ids, check_mask(attention_mask, input_ids), encoder_decoder=encoder_decoder,
-        num_draft_tokens=num_draft_tokens, adaptive=draft_schedule == "adaptive", max_new_tokens=max_new_tokens,
+        num_draft_tokens=num_draft_tokens, adaptive=draft_schedule != "constant", max_new_tokens=max_new_tokens,
         eos=eos, pad_token_id=pad[0], switch=switch, target_row_states=target_rows,
         draft_switch=draft_switch, draft_row_states=draft_rows,
     )  # fmt: skip
