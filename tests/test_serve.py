@@ -321,3 +321,15 @@ def test_the_readme_serving_examples_run(server) -> None:
     python = re.findall(r"```python\n(.*?)```", section, re.S)[0].replace("8000", port)
     assert python.startswith("# needs `kvcache serve` running")
     exec(compile(python, "README.md (serving)", "exec"), {"__name__": "__readme__"})
+
+
+def test_bad_flags_are_one_line_errors(capsys) -> None:
+    """Out-of-range limits, port and timeouts fail before any model loads or socket opens."""
+    from kvcache.cli import main
+
+    for argv, words in ((["--keep-alive", "0"], "--keep-alive must be > 0"),
+                        (["--shutdown-timeout", "nan"], "--shutdown-timeout must be > 0"),
+                        (["--port", "70000"], "--port must be in"), (["--max-batch", "0"], "--max-batch must be >= 1")):
+        code = main(["serve", *argv])
+        out, err = capsys.readouterr()
+        assert (code, out) == (2, "") and err.count("\n") == 1 and words in err, (argv, err)

@@ -46,6 +46,9 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     parser.add_argument("--shutdown-timeout", type=float, default=10.0,
                         help="seconds in-flight requests may take to finish after SIGTERM (default 10)")
+    parser.add_argument("--keep-alive", type=float, default=30.0,
+                        help="seconds an idle client connection stays open (default 30; uvicorn's 5 s closes "
+                        "connections that busy clients are about to reuse)")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request on stderr")
     names = {"max_bytes": "--prefix-store-bytes", "chunk_size": "--chunk-size"}
     parser.set_defaults(func=run, flag_names=names)
@@ -107,6 +110,9 @@ def run(args: argparse.Namespace) -> int:
             raise GenerationError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 <= args.port < 65536:
         raise GenerationError(f"--port must be in [0, 65535], got {args.port}")
+    for name in ("keep_alive", "shutdown_timeout"):
+        if not getattr(args, name) > 0:  # NaN too
+            raise GenerationError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(args, name)}")
     if args.threads is not None:
         if args.threads < 1:
             raise GenerationError(f"--threads must be >= 1, got {args.threads}")
@@ -123,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
                     max_tokens=args.max_tokens, default_max_tokens=args.default_max_tokens)  # fmt: skip
     app = create_app(served, engine, limits=limits, api_key=key)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=args.access_log,
-                            timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on")  # fmt: skip
+                            timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=args.keep_alive,
+                            lifespan="on")  # fmt: skip
     server = server_class(config)
 
     def announce() -> None:
