@@ -87,6 +87,20 @@ def _backends(tmp: Path, url: str | None) -> dict[str, Callable[[], Any]]:
     return out
 
 
+def _each_backend(entry: Entry) -> Iterator[tuple[str, Any, int]]:
+    """Every backend this machine runs (Redis where `redis-server` is installed) with the bytes
+    one `entry` takes in it, each emptied after its turn."""
+    with tempfile.TemporaryDirectory() as tmp, redis_url() as url:
+        for name, make in _backends(Path(tmp), url).items():
+            backend = make()
+            size = entry.nbytes if backend.holds_objects else len(codec.encode(b"k" * 16, entry, None))
+            try:
+                yield name, backend, size
+            finally:
+                with suppress(Exception):  # a Redis server already gone: nothing left to empty
+                    backend.clear()
+
+
 def _template(model: Any) -> Entry:
     store = PrefixStore(chunk_size=CHUNK)
     store.prefill(model, list(range(CHUNK + 1)))
@@ -117,52 +131,47 @@ def scale_table(mode: str) -> tuple[Table, list[Target], dict[str, Any]]:
     figures: dict[str, Any] = {}
     targets: list[Target] = []
     rng = random.Random(0)
-    with tempfile.TemporaryDirectory() as tmp, redis_url() as url:
-        for name, make in _backends(Path(tmp), url).items():
-            backend = make()
-            size = entry.nbytes if backend.holds_objects else len(codec.encode(b"k" * 16, entry, None))
-            rows: dict[int, dict[str, Timing]] = {}
-            held = 0
-            for count in counts:
-                store = PrefixStore(chunk_size=CHUNK, max_bytes=(count + 8) * size + 4096, backend=backend)
-                fill(store, entry, count - held, rng)
-                held = count
-                path = [rng.randrange(64) for _ in range(4 * CHUNK + 1)]
-                store.prefill(model, path)  # the path a hit reads
+    for name, backend, size in _each_backend(entry):
+        rows: dict[int, dict[str, Timing]] = {}
+        held = 0
+        for count in counts:
+            store = PrefixStore(chunk_size=CHUNK, max_bytes=(count + 8) * size + 4096, backend=backend)
+            fill(store, entry, count - held, rng)
+            held = count
+            path = [rng.randrange(64) for _ in range(4 * CHUNK + 1)]
+            store.prefill(model, path)  # the path a hit reads
 
-                def insert(s: PrefixStore = store, n: int = size) -> float:
-                    key = rng.randbytes(16)
+            def insert(s: PrefixStore = store, n: int = size) -> float:
+                key = rng.randbytes(16)
 
-                    def run() -> None:  # what a prefill does per chunk besides the forward: capture, encode, insert
-                        made = Entry(None, [capture(layer, 0, CHUNK) for layer in chunk_cache], entry.nbytes)
-                        record = made if s.backend.holds_objects else codec.encode(key, made, None)
-                        s.backend.insert(key, None, record, n, 0, s.backend.begin(), s.max_bytes)
+                def run() -> None:  # what a prefill does per chunk besides the forward: capture, encode, insert
+                    made = Entry(None, [capture(layer, 0, CHUNK) for layer in chunk_cache], entry.nbytes)
+                    record = made if s.backend.holds_objects else codec.encode(key, made, None)
+                    s.backend.insert(key, None, record, n, 0, s.backend.begin(), s.max_bytes)
 
-                    return seconds(run)
+                return seconds(run)
 
-                def hit(s: PrefixStore = store, p: list[int] = path) -> float:
-                    return seconds(lambda: s.lookup(p, model))
+            def hit(s: PrefixStore = store, p: list[int] = path) -> float:
+                return seconds(lambda: s.lookup(p, model))
 
-                def miss(s: PrefixStore = store) -> float:
-                    tokens = [rng.randrange(64) for _ in range(4 * CHUNK)]
-                    return seconds(lambda: s.lookup(tokens, model))
+            def miss(s: PrefixStore = store) -> float:
+                tokens = [rng.randrange(64) for _ in range(4 * CHUNK)]
+                return seconds(lambda: s.lookup(tokens, model))
 
-                t = {k: Timing.of(v) for k, v in rotate({"insert": insert, "hit": hit, "miss": miss}, rounds,
-                                                        warmup=2).items()}  # fmt: skip
-                rows[count] = t
-                table.add(name, f"{count:,}", t["insert"].cell(), t["hit"].cell(), t["miss"].cell())
-            figures[name] = rows
-            low, high = counts[0], counts[-1]
-            for op in ("insert", "hit", "miss"):
-                growth = rows[high][op].median / rows[low][op].median
-                targets.append(Target(
-                    f"prefix store, {name}: {op} at {high:,} entries", f"<= 1.5x of {low} entries", f"{growth:.2f}x",
-                    growth <= 1.5,
-                    "every operation reads indexes only (a heap, SQLite indexes, a sorted set); a miss at this size "
-                    "is the machine's page cache or disk, or timer noise on sub-millisecond figures",
-                ))  # fmt: skip
-            with suppress(Exception):
-                store.clear()
+            t = {k: Timing.of(v) for k, v in rotate({"insert": insert, "hit": hit, "miss": miss}, rounds,
+                                                    warmup=2).items()}  # fmt: skip
+            rows[count] = t
+            table.add(name, f"{count:,}", t["insert"].cell(), t["hit"].cell(), t["miss"].cell())
+        figures[name] = rows
+        low, high = counts[0], counts[-1]
+        for op in ("insert", "hit", "miss"):
+            growth = rows[high][op].median / rows[low][op].median
+            targets.append(Target(
+                f"prefix store, {name}: {op} at {high:,} entries", f"<= 1.5x of {low} entries", f"{growth:.2f}x",
+                growth <= 1.5,
+                "every operation reads indexes only (a heap, SQLite indexes, a sorted set); a miss at this size "
+                "is the machine's page cache or disk, or timer noise on sub-millisecond figures",
+            ))  # fmt: skip
     return table, targets, figures
 
 
@@ -178,29 +187,24 @@ def cold_into_full_table(mode: str) -> tuple[Table, list[Target], dict[str, Any]
     targets: list[Target] = []
     rng = random.Random(1)
     reps = max(3, rounds // 5)
-    with tempfile.TemporaryDirectory() as tmp, redis_url() as url:
-        for name, make in _backends(Path(tmp), url).items():
-            backend = make()
-            size = filler.nbytes if backend.holds_objects else len(codec.encode(b"k" * 16, filler, None))
-            store = PrefixStore(chunk_size=64, max_bytes=filled * size, backend=backend)
-            fill(store, filler, filled, rng)
+    for name, backend, size in _each_backend(filler):
+        store = PrefixStore(chunk_size=64, max_bytes=filled * size, backend=backend)
+        fill(store, filler, filled, rng)
 
-            def cold(s: PrefixStore | None) -> float:
-                ids = torch.randint(1, model.vocab_size, (1, length), generator=torch.Generator().manual_seed(
-                    rng.randrange(1 << 30)))  # fmt: skip
-                return seconds(lambda: generate(model, ids, max_new_tokens=1, prefix_store=s))
+        def cold(s: PrefixStore | None) -> float:
+            ids = torch.randint(1, model.vocab_size, (1, length), generator=torch.Generator().manual_seed(
+                rng.randrange(1 << 30)))  # fmt: skip
+            return seconds(lambda: generate(model, ids, max_new_tokens=1, prefix_store=s))
 
-            t = {k: Timing.of(v) for k, v in rotate({"plain": lambda: cold(None), "store": lambda s=store: cold(s)},
-                                                    reps, warmup=1).items()}  # fmt: skip
-            ratio = t["store"].median / t["plain"].median
-            figures[name] = t
-            table.add(name, t["plain"].cell(1e3), t["store"].cell(1e3), f"{ratio:.2f}x")
-            targets.append(Target(
-                f"prefix store, {name}: cold prompt into a full store", "<= 1.2x without a store", f"{ratio:.2f}x",
-                ratio <= 1.2,
-                "a cold prompt with a store is prefilled in chunks, and each chunk is copied, encoded and written "
-                "(and evicts); the rest is the model's own forward cost",
-            ))  # fmt: skip
-            with suppress(Exception):
-                store.clear()
+        t = {k: Timing.of(v) for k, v in rotate({"plain": lambda: cold(None), "store": lambda s=store: cold(s)},
+                                                reps, warmup=1).items()}  # fmt: skip
+        ratio = t["store"].median / t["plain"].median
+        figures[name] = t
+        table.add(name, t["plain"].cell(1e3), t["store"].cell(1e3), f"{ratio:.2f}x")
+        targets.append(Target(
+            f"prefix store, {name}: cold prompt into a full store", "<= 1.2x without a store", f"{ratio:.2f}x",
+            ratio <= 1.2,
+            "a cold prompt with a store is prefilled in chunks, and each chunk is copied, encoded and written "
+            "(and evicts); the rest is the model's own forward cost",
+        ))  # fmt: skip
     return table, targets, figures

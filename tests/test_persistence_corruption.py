@@ -183,8 +183,8 @@ EDITS: list[tuple[str, Callable[[dict[str, Any]], Any], str]] = [
     ("length too long", lambda d: _layer(d, 0)["meta_state"].update(seq_length=9), "layer 0"),
     ("length not int", lambda d: _layer(d, 0)["meta_state"].update(seq_length="6"), "seq_length"),
     ("bool length", lambda d: _layer(d, 0)["meta_state"].update(seq_length=True), "seq_length"),
-    ("record flag coerced", lambda d: _layer(d, 0)["meta_state"].update(record_past="yes"), "does not rebuild"),
-    ("record flag as int", lambda d: _layer(d, 0)["meta_state"].update(record_past=1), "does not rebuild"),
+    ("record flag coerced", lambda d: _layer(d, 0)["meta_state"].update(record_past="yes"), "record_past"),
+    ("record flag as int", lambda d: _layer(d, 0)["meta_state"].update(record_past=1), "record_past"),
     ("unknown meta key", lambda d: _layer(d, 0)["meta_state"].update(extra=1), "does not rebuild"),
     ("window lengths disagree", lambda d: _layer(d, 1)["meta_state"].update(kept_length=2), "inconsistent"),
     ("window zero", lambda d: _layer(d, 1)["meta_state"].update(sliding_window=0), "sliding_window"),
@@ -382,3 +382,19 @@ def test_fuzzed_user_metadata_round_trips(metadata: dict[str, Any]) -> None:
         path = Path(tmp) / "c.safetensors"
         save_cache(DynamicCache(), path, metadata=metadata)
         assert load_cache(path, return_metadata=True)[1] == metadata
+
+
+@pytest.mark.parametrize("flag", ["false", 1, None, [True]])
+def test_every_attention_layer_refuses_a_record_flag_that_is_not_a_bool(flag: Any) -> None:
+    """One check (`record_past_flag`) for every layer kind that keeps keys/values: a string
+    "false" would otherwise read as True."""
+    from kvcache.errors import CacheInputError
+    from kvcache.layers import DynamicLayer, QuantizedLayer, SlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
+
+    layers = [DynamicLayer(), SlidingWindowLayer(4), StaticLayer(8), StaticSlidingWindowLayer(4, 8), QuantizedLayer(8)]
+    for layer in layers:
+        layer.update(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8))
+        meta = {**layer.meta_state, "record_past": flag}
+        with pytest.raises(CacheInputError, match="'record_past' must be a bool"):
+            type(layer).from_state(meta, layer.state)
+

@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+from crop_kit import crop_at_random
 
 from kvcache import CacheInputError, RollbackError
 from kvcache.cache import Cache
@@ -106,16 +107,8 @@ def test_random_runs_match_the_naive_rows(bits, window, seed, tmp_path):
             feed(layer, naive, rng.randint(1, 5), counter)
         elif op == "record":
             layer.activate_past_recording()
-        elif op == "uniform":
-            n = rng.randint(0, layer.max_rollback)
-            layer.crop(-n)
-            for row in naive.rows:
-                del row[len(row) - n :]
-        elif op == "ragged":
-            counts = [rng.randint(0, r) for r in layer.row_rollback()]
-            layer.crop([-c for c in counts])
-            for row, c in zip(naive.rows, counts, strict=True):
-                del row[len(row) - c :]
+        elif op in ("uniform", "ragged"):
+            crop_at_random(layer, naive.rows, rng, ragged=op == "ragged")
         elif op == "commit":
             layer.crop(0)
         elif op == "copy":

@@ -16,6 +16,7 @@ import random
 
 import pytest
 import torch
+from crop_kit import crop_at_random
 
 from kvcache import Cache, DynamicCache, RollbackError
 from kvcache.encoder_decoder import EncoderDecoderCache
@@ -134,17 +135,8 @@ def test_random_runs_match_the_naive_rows(kind, seed, tmp_path):
         op = rng.choice(["feed", "feed", "ragged", "ragged", "uniform", "commit", "copy", "select", "save"])
         if op == "feed":
             feed(layer, naive, rng.randint(1, 4), counter)
-        elif op == "ragged":
-            reach = layer.row_rollback()
-            counts = [rng.randint(0, r) for r in reach]
-            layer.crop(torch.tensor([-c for c in counts]))
-            for row, c in zip(naive.rows, counts, strict=True):
-                del row[len(row) - c :]
-        elif op == "uniform":
-            n = rng.randint(0, layer.max_rollback)
-            layer.crop(-n)
-            for row in naive.rows:
-                del row[len(row) - n :]
+        elif op in ("uniform", "ragged"):
+            crop_at_random(layer, naive.rows, rng, ragged=op == "ragged", as_tensor=True)
         elif op == "commit":
             layer.crop(0)
         elif op == "copy":

@@ -139,7 +139,7 @@ class DynamicLayer(CacheLayer):
         kept = nonneg_int(meta_state, "seq_length", cls.__name__)
         layer._load_kv(state, kept)
         layer._load_row_lengths(meta_state, kept)
-        layer._recording = bool(meta_state.get("record_past", False))
+        layer._recording = record_past_flag(meta_state, cls.__name__)
         return layer
 
 
@@ -147,6 +147,15 @@ def nonneg_int(meta_state: dict[str, Any], key: str, who: str) -> int:
     value = meta_state.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise CacheInputError(f"{who}: '{key}' must be a non-negative int, got {value!r}")
+    return value
+
+
+def record_past_flag(meta_state: dict[str, Any], who: str) -> bool:
+    """A saved layer's `record_past` (absent: False); anything but a bool is refused, not coerced
+    (a string "false" would read as True)."""
+    value = meta_state.get("record_past", False)
+    if not isinstance(value, bool):
+        raise CacheInputError(f"{who}: 'record_past' must be a bool, got {value!r}")
     return value
 
 

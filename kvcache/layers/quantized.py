@@ -30,7 +30,7 @@ from typing_extensions import Self
 from ..errors import CacheInputError
 from ..validation import check_move, check_query_length, check_row_lengths
 from .base import CacheLayer, register_layer
-from .dynamic import nonneg_int
+from .dynamic import nonneg_int, record_past_flag
 from .kv_buffer import KVBuffer
 from .quant import check_quant, dequantize, groups_of, quantize
 
@@ -293,9 +293,7 @@ class QuantizedLayer(CacheLayer):
         fp_start = nonneg_int(meta_state, "full_precision_from", name)
         q_start = nonneg_int(meta_state, "quantized_from", name)
         quantized = nonneg_int(meta_state, "quantized", name)
-        recording = meta_state.get("record_past", False)
-        if not isinstance(recording, bool):
-            raise CacheInputError(f"{name}: 'record_past' must be a bool, got {recording!r}")
+        recording = record_past_flag(meta_state, name)
         if not state:
             if seen:
                 raise CacheInputError(f"{name}: {seen} token(s) announced but no keys/values given")

@@ -10,7 +10,7 @@ from typing_extensions import Self
 from ..errors import CacheInputError
 from ..validation import check_query_length
 from .base import register_layer
-from .dynamic import DynamicLayer, nonneg_int
+from .dynamic import DynamicLayer, nonneg_int, record_past_flag
 from .kv_buffer import Headroom
 
 
@@ -151,9 +151,7 @@ class SlidingWindowLayer(DynamicLayer):
         seen = nonneg_int(meta_state, "seq_length", name)
         kept = nonneg_int(meta_state, "kept_length", name)
         at_commit = nonneg_int(meta_state, "seq_length_at_commit", name)
-        recording = meta_state.get("record_past", False)
-        if not isinstance(recording, bool):
-            raise CacheInputError(f"{name}: 'record_past' must be a bool, got {recording!r}")
+        recording = record_past_flag(meta_state, name)
         lengths = meta_state.get("row_lengths")  # tokens seen per row, checked as held ones below
         start = seen - kept
         held = [n - start if isinstance(n, int) else n for n in lengths] if isinstance(lengths, list) else lengths

@@ -10,7 +10,7 @@ from typing_extensions import Self
 from ..errors import CacheInputError, CacheOverflowError
 from ..validation import check_query_length, check_row_lengths
 from .base import CacheLayer, register_layer
-from .dynamic import check_loaded_pair, nonneg_int
+from .dynamic import check_loaded_pair, nonneg_int, record_past_flag
 from .kv_buffer import check_kv_pair, check_matches
 
 
@@ -274,5 +274,5 @@ class StaticLayer(FixedKVLayer):
         lengths = check_row_lengths(meta_state.get("row_lengths"), layer.batch_size, length, name)
         if lengths is not None:
             layer._rows = None if len(set(lengths)) <= 1 else list(lengths)
-        layer._recording = bool(meta_state.get("record_past", False))
+        layer._recording = record_past_flag(meta_state, cls.__name__)
         return layer

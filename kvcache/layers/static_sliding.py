@@ -10,7 +10,7 @@ from typing_extensions import Self
 from ..errors import CacheInputError, CacheOverflowError
 from ..validation import check_query_length
 from .base import register_layer
-from .dynamic import check_loaded_pair, nonneg_int
+from .dynamic import check_loaded_pair, nonneg_int, record_past_flag
 from .static import FixedKVLayer
 
 #: Default of `rollback_tokens`: room for a speculative step of 7 drafts plus the token before them.
@@ -191,9 +191,7 @@ class StaticSlidingWindowLayer(FixedKVLayer):
         )
         seen, kept = nonneg_int(meta_state, "seq_length", name), nonneg_int(meta_state, "kept_length", name)
         at_commit = nonneg_int(meta_state, "seq_length_at_commit", name)
-        recording = meta_state.get("record_past", False)
-        if not isinstance(recording, bool):
-            raise CacheInputError(f"{name}: 'record_past' must be a bool, got {recording!r}")
+        recording = record_past_flag(meta_state, name)
         if kept > min(seen, layer.capacity) or kept < min(seen, layer._working_size) or at_commit > seen:
             raise CacheInputError(
                 f"{name}: inconsistent lengths (seen {seen}, kept {kept}, at commit {at_commit}, "
