@@ -197,11 +197,13 @@ def test_greedy_output_and_caches_equal_plain_decoding(targets, kind, agree, k):
 
 
 @pytest.mark.parametrize("agree", ["never", "sometimes", "always"])
-@pytest.mark.parametrize("schedule", ["adaptive", "constant"])
+@pytest.mark.parametrize("schedule", ["acceptance", "constant"])
 def test_without_intermediate_states_target_forwards_are_those_of_the_crop_path(targets, agree, schedule):
     """A recurrent target that hands no intermediate states (rollback by re-feeding) needs no more
     target forwards per token than the same target cropping in place, within 10% (plus the one
-    forward a re-feed pending at the end costs)."""
+    forward a re-feed pending at the end costs). Schedules that do not time steps: the default one
+    may stop drafting in one run and not the other (here the draft model is the target itself, so
+    drafting hardly pays), which says nothing about rollback."""
     target = targets["hybrid"]
     prompt = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
     runs = {
