@@ -35,7 +35,7 @@ from kvcache import (
     save_cache,
 )
 from kvcache.persistence.composite import describe_cache
-from kvcache.persistence.header import _digest
+from kvcache.persistence.header import FORMAT_VERSION, _digest
 from kvcache.persistence.integrity import DIGEST_TENSOR, FileDigest
 
 
@@ -234,7 +234,7 @@ def _set_meta(key: str, value: str | None) -> Callable[[dict[str, Any]], None]:
 @pytest.mark.parametrize(
     ("edit", "match"),
     [
-        (_set_meta("format_version", "3"), "newer"),
+        (_set_meta("format_version", str(FORMAT_VERSION + 1)), "newer"),
         (_set_meta("format_version", "999999999999999999999"), "newer"),
         (_set_meta("format_version", "1.0"), "not a version"),
         (_set_meta("format_version", "0"), "does not exist"),

@@ -45,10 +45,11 @@ def summarize(loaded: CacheFile, path: str) -> dict[str, Any]:
         layers = []
         for i, (entry, layer) in enumerate(zip(part_desc["layers"], part_cache.layers, strict=True)):
             tensors = []
-            for name in entry["tensors"]:
+            for name, spec in entry["tensors"].items():
                 dtype, shape = loaded.specs[f"{prefix}layers.{i}.{name}"]
                 nbytes = math.prod(shape) * itemsize[dtype]
-                tensors.append({"name": name, "dtype": dtype, "shape": shape, "bytes": nbytes})
+                stored = {"order": spec["order"]} if "order" in spec else {}  # dims as stored in the file
+                tensors.append({"name": name, "dtype": dtype, "shape": shape, "bytes": nbytes, **stored})
                 total_bytes += nbytes
                 num_tensors += 1
             layers.append(

@@ -116,6 +116,9 @@ class CacheLayer(ABC):
         """`crop(-n)` removes the last n tokens exactly; `crop(0)` commits. A 1-D tensor (or list) of
         one `-n_b` per batch row removes the last `n_b` tokens of each row b (docs/contract.md,
         "Per-row rollback"). Failing crops change nothing."""
+        if type(tokens_to_remove) is int and tokens_to_remove == 0:  # a commit: always possible, once per step
+            self._commit()
+            return
         counts = row_crop_amounts(tokens_to_remove, self.batch_size)
         if counts is None:
             self.check_crop(tokens_to_remove)
@@ -225,6 +228,19 @@ class CacheLayer(ABC):
     @abstractmethod
     def from_state(cls, meta_state: dict[str, Any], state: dict[str, torch.Tensor]) -> Self:
         """Rebuild a layer from `meta_state` and `state`; raise `CacheInputError` when they disagree."""
+
+    @classmethod
+    def adopt_state(cls, meta_state: dict[str, Any], state: dict[str, torch.Tensor]) -> Self:
+        """`from_state` for a caller that gives `state`'s tensors up (`load_cache`): the layer may keep
+        them, and the storage they view, instead of copying them."""
+        return cls.from_state(meta_state, state)
+
+    @classmethod
+    def load_target(cls, meta_state: dict[str, Any], name: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+        """Uninitialised CPU memory of `shape` and `dtype` for a loader to read tensor `name` into before
+        `adopt_state`: a layer that adopts may hand out a view of the storage it will keep (with room
+        to grow), so a loaded tensor is copied once, by the read itself."""
+        return torch.empty(shape, dtype=dtype)
 
     @classmethod
     def planned_nbytes(cls, meta_state: dict[str, Any], state: dict[str, torch.Tensor]) -> int:

@@ -116,8 +116,9 @@ class DynamicLayer(CacheLayer):
             meta["row_lengths"] = self.row_lengths()
         return meta
 
-    def _load_kv(self, state: dict[str, torch.Tensor], kept: int) -> None:
-        """Take over `state`'s keys/values, checking they hold `kept` tokens."""
+    def _load_kv(self, state: dict[str, torch.Tensor], kept: int, adopt: bool = False) -> None:
+        """Take over `state`'s keys/values, checking they hold `kept` tokens: copies, or with `adopt`
+        the storage they view (`KVBuffer.adopt`)."""
         if not state:
             if kept:
                 raise CacheInputError(f"{type(self).__name__}: {kept} token(s) announced but no keys/values given")
@@ -126,7 +127,10 @@ class DynamicLayer(CacheLayer):
             raise CacheInputError(f"{type(self).__name__}: expected tensors 'keys' and 'values', got {sorted(state)}")
         keys, values = state["keys"], state["values"]
         check_loaded_pair(keys, values, kept, type(self).__name__)
-        self._kv = KVBuffer.from_tensors(keys, values, self.headroom())  # a copy: never aliases its input
+        if adopt:
+            self._kv = KVBuffer.adopt(keys, values, self.headroom())
+        else:
+            self._kv = KVBuffer.from_tensors(keys, values, self.headroom())  # a copy: never aliases its input
 
     def _load_row_lengths(self, meta_state: dict[str, Any], kept: int) -> None:
         """Take over the per-row lengths of a ragged layer (absent: every row holds `kept`)."""
@@ -135,9 +139,28 @@ class DynamicLayer(CacheLayer):
 
     @classmethod
     def from_state(cls, meta_state: dict[str, Any], state: dict[str, torch.Tensor]) -> Self:
+        return cls._rebuild(meta_state, state, adopt=False)
+
+    @classmethod
+    def adopt_state(cls, meta_state: dict[str, Any], state: dict[str, torch.Tensor]) -> Self:
+        return cls._rebuild(meta_state, state, adopt=True)
+
+    @classmethod
+    def headroom_of(cls, meta_state: dict[str, Any]) -> Headroom:
+        """The headroom a layer of `meta_state` sizes its storage with."""
+        return Headroom()
+
+    @classmethod
+    def load_target(cls, meta_state: dict[str, Any], name: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+        if name in ("keys", "values") and len(shape) == 4:
+            return KVBuffer.landing(shape, dtype, cls.headroom_of(meta_state))
+        return super().load_target(meta_state, name, shape, dtype)
+
+    @classmethod
+    def _rebuild(cls, meta_state: dict[str, Any], state: dict[str, torch.Tensor], adopt: bool) -> Self:
         layer = cls()
         kept = nonneg_int(meta_state, "seq_length", cls.__name__)
-        layer._load_kv(state, kept)
+        layer._load_kv(state, kept, adopt)
         layer._load_row_lengths(meta_state, kept)
         layer._recording = record_past_flag(meta_state, cls.__name__)
         return layer

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -123,6 +124,9 @@ class HybridLayer(CacheLayer):
         return self.attention.is_ragged
 
     def crop(self, tokens_to_remove: Any) -> None:
+        if type(tokens_to_remove) is int and tokens_to_remove == 0:
+            self._commit()
+            return
         self.check_crop(tokens_to_remove)
         self.attention.crop(tokens_to_remove)
         self.recurrent.crop(tokens_to_remove)
@@ -169,19 +173,41 @@ class HybridLayer(CacheLayer):
 
     @classmethod
     def from_state(cls, meta_state: dict[str, Any], state: dict[str, torch.Tensor]) -> Self:
+        return cls._rebuild(meta_state, state, adopt=False)
+
+    @classmethod
+    def adopt_state(cls, meta_state: dict[str, Any], state: dict[str, torch.Tensor]) -> Self:
+        return cls._rebuild(meta_state, state, adopt=True)
+
+    @classmethod
+    def load_target(cls, meta_state: dict[str, Any], name: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+        part, _, rest = name.partition(".")
+        if part in ("attention", "recurrent"):
+            with contextlib.suppress(CacheInputError):
+                layer_cls, meta = cls._part(meta_state, part)
+                return layer_cls.load_target(meta, rest, shape, dtype)
+        return super().load_target(meta_state, name, shape, dtype)
+
+    @classmethod
+    def _part(cls, meta_state: dict[str, Any], part: str) -> tuple[type[CacheLayer], dict[str, Any]]:
+        """The class and meta_state of one part, as `meta_state` describes it."""
+        entry = meta_state.get(part) if isinstance(meta_state, dict) else None
+        if not isinstance(entry, dict) or not isinstance(entry.get("meta_state"), dict):
+            raise CacheInputError(f"HybridLayer.from_state: meta_state[{part!r}] must hold 'class' and 'meta_state'")
+        layer_cls = LAYER_REGISTRY.get(entry.get("class"))  # type: ignore[arg-type]
+        if layer_cls is None or layer_cls is cls:
+            raise CacheInputError(f"HybridLayer.from_state: {part} class {entry.get('class')!r} is not allowed")
+        return layer_cls, entry["meta_state"]
+
+    @classmethod
+    def _rebuild(cls, meta_state: dict[str, Any], state: dict[str, torch.Tensor], adopt: bool) -> Self:
         parts: dict[str, CacheLayer] = {}
         for part in ("attention", "recurrent"):
-            entry = meta_state.get(part) if isinstance(meta_state, dict) else None
-            if not isinstance(entry, dict) or not isinstance(entry.get("meta_state"), dict):
-                raise CacheInputError(
-                    f"HybridLayer.from_state: meta_state[{part!r}] must hold 'class' and 'meta_state'"
-                )
-            layer_cls = LAYER_REGISTRY.get(entry.get("class"))  # type: ignore[arg-type]
-            if layer_cls is None or layer_cls is cls:
-                raise CacheInputError(f"HybridLayer.from_state: {part} class {entry.get('class')!r} is not allowed")
+            layer_cls, meta = cls._part(meta_state, part)
             prefix = f"{part}."
             part_state = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-            parts[part] = layer_cls.from_state(entry["meta_state"], part_state)
+            build = layer_cls.adopt_state if adopt else layer_cls.from_state
+            parts[part] = build(meta, part_state)
         unknown = [k for k in state if not k.startswith(("attention.", "recurrent."))]
         if unknown:
             raise CacheInputError(f"HybridLayer.from_state: unexpected tensors {sorted(unknown)}")

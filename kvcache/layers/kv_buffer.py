@@ -57,8 +57,12 @@ class Headroom:
     def capacity(self, n: int) -> int:
         """Storage rows to allocate for `n` live tokens."""
         cap = capacity_for(n, self.growth, self.block)
-        if self.limit is not None and n < self.limit:
-            cap = max(cap, min(capacity_for(n, 2.0, self.block), capacity_for(self.limit, self.growth, self.block)))
+        if self.limit is not None:
+            # at least a block to spare, so a window slides once per block, not once per token (a
+            # window of 8 held 8 rows for its 7 tokens and copied them at every step)
+            cap = max(cap, -(-(n + self.block) // self.block) * self.block)
+            if n < self.limit:
+                cap = max(cap, min(capacity_for(n, 2.0, self.block), capacity_for(self.limit, self.growth, self.block)))
         return cap
 
 
@@ -108,6 +112,19 @@ def _batch_major(t: torch.Tensor) -> torch.Tensor:
     return t.permute(1, 2, 0, 3)
 
 
+def _storage_behind(t: torch.Tensor) -> torch.Tensor | None:
+    """The sequence-major storage `[rows, batch, heads, dim]` whose leading rows the
+    `[batch, heads, seq, dim]` view `t` is, or None when `t` is not such a view."""
+    if t.dim() != 4 or t.storage_offset() != 0 or not _seq_major(t).is_contiguous():
+        return None
+    batch, heads, _, dim = t.shape
+    row = batch * heads * dim
+    rows = t.untyped_storage().nbytes() // (row * t.element_size()) if row else 0
+    if rows < t.shape[2] or not row:
+        return None
+    return t.as_strided((rows, batch, heads, dim), (row, heads * dim, dim, 1), 0)
+
+
 class KVBuffer:
     """Keys and values with a live window `[start, end)` of rows inside larger sequence-major storage.
 
@@ -145,6 +162,27 @@ class KVBuffer:
         grown buffer has (so the next append costs what a steady append costs)."""
         buf = cls(headroom)
         buf._adopt(_seq_major(keys), _seq_major(values))
+        return buf
+
+    @staticmethod
+    def landing(shape: list[int], dtype: torch.dtype, headroom: Headroom = Headroom()) -> torch.Tensor:
+        """Fresh storage for a loaded `[batch, heads, seq, dim]` tensor, with the headroom a grown
+        buffer has, seen as that tensor (uninitialised): `adopt` keeps it without a copy."""
+        batch, heads, seq, dim = shape
+        storage = torch.empty(headroom.capacity(seq), batch, heads, dim, dtype=dtype)
+        return _batch_major(storage).narrow(2, 0, seq)
+
+    @classmethod
+    def adopt(cls, keys: torch.Tensor, values: torch.Tensor, headroom: Headroom = Headroom()) -> KVBuffer:
+        """A buffer over the storage `keys`/`values` view when they are the leading rows of
+        sequence-major storage (what `landing` hands out), else over copies (`from_tensors`). The
+        caller gives the tensors up."""
+        keys_storage, values_storage = _storage_behind(keys), _storage_behind(values)
+        if keys_storage is None or values_storage is None or keys_storage.shape[0] != values_storage.shape[0]:
+            return cls.from_tensors(keys, values, headroom)
+        buf = cls(headroom)
+        buf._set_storage(keys_storage, values_storage)
+        buf.end = keys.shape[2]
         return buf
 
     @classmethod

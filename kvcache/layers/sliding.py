@@ -145,7 +145,14 @@ class SlidingWindowLayer(DynamicLayer):
         }
 
     @classmethod
-    def from_state(cls, meta_state: dict[str, Any], state: dict[str, torch.Tensor]) -> Self:
+    def headroom_of(cls, meta_state: dict[str, Any]) -> Headroom:
+        window = meta_state.get("sliding_window")
+        if isinstance(window, int) and not isinstance(window, bool) and window >= 1:
+            return Headroom.for_window(window)
+        return Headroom()  # a bad window is refused by `_rebuild`
+
+    @classmethod
+    def _rebuild(cls, meta_state: dict[str, Any], state: dict[str, torch.Tensor], adopt: bool) -> Self:
         name = cls.__name__
         layer = cls(meta_state.get("sliding_window"))  # type: ignore[arg-type]
         seen = nonneg_int(meta_state, "seq_length", name)
@@ -163,7 +170,7 @@ class SlidingWindowLayer(DynamicLayer):
                 f"{name}: inconsistent lengths (seen {seen}, kept {kept}, at commit {at_commit}, "
                 f"window {layer.sliding_window}, recording {recording})"
             )
-        layer._load_kv(state, kept)
+        layer._load_kv(state, kept, adopt)
         layer._load_row_lengths({"row_lengths": held}, kept)
         layer._seen, layer._seen_at_commit, layer._recording = seen, at_commit, recording
         return layer

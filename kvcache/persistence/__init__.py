@@ -18,7 +18,7 @@ import torch
 from ..errors import CacheFormatError, CacheInputError
 from .composite import build_cache, composite_kinds, describe_cache
 from .header import FORMAT_VERSION, encode_user_metadata, make_header, parse_header
-from .integrity import DIGEST_BYTES, DIGEST_TENSOR, KEYED, FileDigest, check_key
+from .integrity import DIGEST_BYTES, KEYED, FileDigest, check_key
 from .reader import FileReader, LoadedTensors, default_budget
 from .writer import atomic_write, write_safetensors
 
@@ -82,7 +82,7 @@ class CacheFile:
         self.cache = cache
         self.metadata = metadata
         self.description = description
-        #: tensor name -> (safetensors dtype, shape), in file order
+        #: tensor name -> (safetensors dtype, shape as the layer holds it), in file order
         self.specs = specs
         self.version = version
         self.integrity = integrity
@@ -114,12 +114,15 @@ def _read_checked(file: Any, device: str, verify: bool, key: bytes | None, max_a
             f"format version {header.version} has no file digest, so its data cannot be verified; "
             "load it with verify=False to accept it unverified (and save it again to add one)"
         )
-    tensors = reader.read_all(header.integrity, key, verify or key is not None)  # a key asks for the MAC check
-    specs = {e.name: (e.dtype, e.shape) for e in reader.entries if e.name != DIGEST_TENSOR}
+    reader.start(header.integrity, key, verify or key is not None)  # a key asks for the MAC check
     budget = default_budget(reader.file_size) if max_alloc_bytes is None else max_alloc_bytes
-    source = LoadedTensors(tensors, specs, device, budget)
-    cache = build_cache(header.description, source)
-    source.check_all_taken()
+    source = LoadedTensors(reader, device, budget)
+    try:
+        cache = build_cache(header.description, source)
+    except CacheFormatError:
+        source.raise_if_damaged()  # a damaged file says so, whatever broke first
+        raise
+    specs = source.finish()  # the digest (and MAC) checked: only now is the cache handed out
     return CacheFile(cache, header.user, header.description, specs, header.version, header.integrity)
 
 

@@ -22,6 +22,7 @@ from ..cache import Cache, DynamicCache, StaticCache
 from ..errors import CacheFormatError, CacheInputError
 from ..layers.base import LAYER_REGISTRY, CacheLayer
 from .header import check_json_value
+from .reader import TORCH_DTYPES
 from .writer import dtype_name
 
 #: `Cache` attribute: layers created lazily from now on start recording (set by activate_past_recording).
@@ -33,7 +34,10 @@ ENCODER_DECODER_PARTS = ("self_attention_cache", "cross_attention_cache")
 class TensorSource(Protocol):
     """Where `build_cache` gets tensors: checks name, dtype and shape against the file."""
 
-    def take(self, name: str, dtype: str, shape: list[int], where: str) -> torch.Tensor: ...
+    def take(self, name: str, dtype: str, shape: list[int], where: str, order: list[int] | None = None,
+             target: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+        """Tensor `name` of logical `shape`, stored with its dims in `order`; `target()` allocates
+        where the layer wants it (a loader may read it there, and then hands that tensor back)."""
 
     def charge(self, nbytes: int, where: str) -> None:
         """Count storage a layer is about to allocate beyond its tensors; raise past the budget."""
@@ -105,7 +109,13 @@ def _describe_layers(cache: Cache, prefix: str, tensors: dict[str, torch.Tensor]
                 raise CacheInputError(f"{at}: tensor {state_name!r} is not dense ({tensor.layout})")
             if tensor.device.type == "meta":
                 raise CacheInputError(f"{at}: tensor {state_name!r} is on the meta device and holds no data to save")
-            specs[state_name] = {"dtype": dtype_name(tensor.dtype, f"{at} {state_name}"), "shape": list(tensor.shape)}
+            spec: dict[str, Any] = {"dtype": dtype_name(tensor.dtype, f"{at} {state_name}")}
+            spec["shape"] = list(tensor.shape)
+            order = memory_order(tensor)
+            if order is not None:  # stored as it lies in memory: one write, and a load reads it in place
+                spec["order"] = order
+                tensor = tensor.permute(order)
+            specs[state_name] = spec
             tensors[f"{prefix}layers.{i}.{state_name}"] = tensor
         entries.append({"class": name, "meta_state": _layer_meta(layer, at), "tensors": specs})
     return {
@@ -113,6 +123,17 @@ def _describe_layers(cache: Cache, prefix: str, tensors: dict[str, torch.Tensor]
         "layer_factory": _describe_factory(cache.layer_factory, where),
         "record_new_layers": bool(getattr(cache, _RECORD_NEW_LAYERS, False)),
     }
+
+
+def memory_order(tensor: torch.Tensor) -> list[int] | None:
+    """The order of `tensor`'s dims in memory (outermost first) when it is a permutation of a
+    contiguous tensor other than its own order (a sequence-major cache's `[batch, heads, seq, dim]`
+    view); None when it is contiguous as it is, or not a permutation of contiguous memory."""
+    if tensor.is_contiguous():
+        return None
+    # A size-1 dim's stride is arbitrary (it may tie with a real dim's): such dims go after the real one.
+    order = sorted(range(tensor.dim()), key=lambda d: (-tensor.stride(d), -tensor.shape[d]))
+    return order if tensor.permute(order).is_contiguous() else None
 
 
 def _describe_factory(factory: Callable[[], CacheLayer] | None, where: str) -> dict[str, Any] | None:
@@ -196,11 +217,13 @@ def _canonical(meta: Any) -> str:
     return json.dumps(meta, sort_keys=True)
 
 
-def _from_state(cls: type[CacheLayer], meta: dict[str, Any], state: dict[str, torch.Tensor], where: str) -> CacheLayer:
-    """`cls.from_state`, with every failure a `CacheFormatError`, and a check that the layer
-    describes itself as the file does (so no field was ignored or coerced)."""
+def _from_state(cls: type[CacheLayer], meta: dict[str, Any], state: dict[str, torch.Tensor], where: str,
+                adopt: bool = False) -> CacheLayer:  # fmt: skip
+    """`cls.from_state` (`adopt_state` for tensors the loader gives up), with every failure a
+    `CacheFormatError`, and a check that the layer describes itself as the file does (so no field
+    was ignored or coerced)."""
     try:
-        layer = cls.from_state(meta, state)
+        layer = cls.adopt_state(meta, state) if adopt else cls.from_state(meta, state)
         rebuilt = _canonical(layer.meta_state)
     except Exception as err:  # a layer's validation error, or any slip on bad input
         raise CacheFormatError(f"{where} ({cls.__name__}): {type(err).__name__}: {err}"[:500]) from err
@@ -209,6 +232,29 @@ def _from_state(cls: type[CacheLayer], meta: dict[str, Any], state: dict[str, to
             f"{where} ({cls.__name__}): meta_state {_canonical(meta)} does not rebuild as itself (got {rebuilt})"[:500]
         )
     return layer
+
+
+def _order(value: Any, ndim: int, where: str) -> list[int] | None:
+    """A tensor's stored dim order (absent: as it is), checked to be a permutation of its dims."""
+    if value is None:
+        return None
+    ok = isinstance(value, list) and all(type(d) is int for d in value) and sorted(value) == list(range(ndim))
+    if not ok:
+        raise CacheFormatError(f"{where}: order must be a permutation of the {ndim} dims, got {value!r}"[:300])
+    return value
+
+
+def _landing(cls: type[CacheLayer], meta: dict[str, Any], name: str, dtype: str, shape: list[int],
+             where: str) -> torch.Tensor:  # fmt: skip
+    """Where `cls` wants its tensor `name` read (`CacheLayer.load_target`), checked to be that tensor."""
+    try:
+        tensor = cls.load_target(meta, name, list(shape), TORCH_DTYPES[dtype])
+    except Exception as err:  # a layer's validation error, or any slip on bad input
+        raise CacheFormatError(f"{where} ({cls.__name__}): {type(err).__name__}: {err}"[:500]) from err
+    if list(tensor.shape) != shape or tensor.dtype != TORCH_DTYPES[dtype] or tensor.device.type != "cpu":
+        raise CacheFormatError(f"{where} ({cls.__name__}): load_target gave {tensor.dtype}{list(tensor.shape)} "
+                               f"on {tensor.device} for {dtype}{shape}")  # fmt: skip
+    return tensor
 
 
 def _build_layers(desc: dict[str, Any], prefix: str, source: TensorSource, where: str) -> list[CacheLayer]:
@@ -221,12 +267,16 @@ def _build_layers(desc: dict[str, Any], prefix: str, source: TensorSource, where
         meta = _field(entry, "meta_state", dict, at)
         state = {}
         for state_name, spec in _field(entry, "tensors", dict, at).items():
-            if not isinstance(spec, dict) or set(spec) != {"dtype", "shape"} or not isinstance(spec["dtype"], str):
+            if (not isinstance(spec, dict) or set(spec) - {"order"} != {"dtype", "shape"}
+                    or not isinstance(spec["dtype"], str)):  # fmt: skip
                 raise CacheFormatError(f"{at}: tensor {state_name!r} must be described by dtype and shape")
             shape = _shape(spec["shape"], f"{at} tensor {state_name!r}")
-            state[state_name] = source.take(f"{prefix}layers.{i}.{state_name}", spec["dtype"], shape, at)
+            order = _order(spec.get("order"), len(shape), f"{at} tensor {state_name!r}")
+            target = functools.partial(_landing, cls, meta, state_name, spec["dtype"], shape, at)
+            name = f"{prefix}layers.{i}.{state_name}"
+            state[state_name] = source.take(name, spec["dtype"], shape, at, order, target)
         source.charge(_planned_nbytes(cls, meta, state, at), at)
-        layers.append(_from_state(cls, meta, state, at))
+        layers.append(_from_state(cls, meta, state, at, adopt=True))
     return layers
 
 

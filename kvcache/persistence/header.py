@@ -6,7 +6,8 @@ digest (`verify=False`) refuses an edited or damaged header. Like the xxh3 file 
 against accidents only: anyone can recompute it (see `integrity` for the keyed MAC).
 
 Versions: 1 (kvcache 0.1) had no file digest; 2 adds `integrity` (the digest scheme) and the digest
-tensor. Version-1 files load only with `verify=False`, since nothing covers their data.
+tensor; 3 stores a tensor in its memory layout, its dims in the order its description's `order`
+names. Version-1 files load only with `verify=False`, since nothing covers their data.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from ..errors import CacheFormatError, CacheInputError
 
 FORMAT_NAME = "kvcache"
 #: Files are written in this version; files of a newer version are refused.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 #: The metadata keys kvcache writes (version 1 had all but "integrity").
 KEYS = ("format", "format_version", "cache", "user", "integrity", "sha256")
 

@@ -1,5 +1,7 @@
-"""Reading a kvcache file: its safetensors layout parsed and checked here, every byte read once
-into memory the cache then owns, and the whole-file digest verified before anything is built.
+"""Reading a kvcache file: its safetensors layout parsed and checked here, then every byte read
+once, front to back, straight into the memory the cache will own (each layer says where its
+tensors land, so a file saved in the layers' own layout is copied by the kernel's read alone), the
+whole-file digest computed as the bytes stream past and checked before a cache is returned.
 
 The loaded cache therefore never shares memory with the file: rewriting or truncating the file
 afterwards changes nothing (a memory map would let it, or kill the process with SIGBUS).
@@ -11,6 +13,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Callable
 from typing import Any, BinaryIO
 
 import torch
@@ -27,7 +30,6 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 #: `StaticLayer` preallocates `max_cache_len`): this many times the file size, plus `ALLOC_SLACK`.
 ALLOC_PER_FILE_BYTE = 8
 ALLOC_SLACK = 64 * 1024 * 1024
-_READ_CHUNK = 64 * 1024 * 1024
 
 
 class _Entry:
@@ -73,20 +75,27 @@ def _parse_layout(header: Any, data_bytes: int) -> tuple[dict[str, str], list[_E
     return metadata, entries
 
 
+#: Tensor bytes are read (and hashed) in pieces of this size: small enough that the digest reads
+#: each piece from the CPU cache right after the read wrote it, large enough to keep calls few.
+READ_PIECE = 1024 * 1024
+
+
 def _read_exact(file: BinaryIO, buffer: memoryview, digest: FileDigest | None) -> None:
     done = 0
     while done < len(buffer):
-        chunk = buffer[done : done + _READ_CHUNK]
-        got = file.readinto(chunk)
+        piece = buffer[done : done + READ_PIECE]
+        got = file.readinto(piece)
         if not got:
             raise CacheFormatError("truncated file: it ended while being read (was it changed during the load?)")
         if digest is not None:
-            digest.update(chunk[:got])
+            digest.update(piece[:got])
         done += got
 
 
 class FileReader:
-    """An open kvcache file, read front to back: layout, metadata, then tensors."""
+    """An open kvcache file, read once, front to back: layout and metadata on opening, then the
+    tensors in file order (`take`, `finish`), each into the memory its user chose, with the
+    whole-file digest computed as the bytes stream past."""
 
     def __init__(self, file: BinaryIO, size: int | None = None) -> None:
         """`file` positioned at its start; `size` its length in bytes (default: the file's, by fstat)."""
@@ -108,56 +117,120 @@ class FileReader:
         except (ValueError, RecursionError) as err:
             raise CacheFormatError(f"not a valid safetensors file: header is not JSON ({err})") from None
         self.metadata, self.entries = _parse_layout(header, size - 8 - header_len)
+        self._position = {entry.name: i for i, entry in enumerate(self.entries)}
+        self._next = 0  # index of the first entry not read yet
+        self._ahead: dict[str, torch.Tensor] = {}  # read before anyone asked for them
+        self._integrity: str | None = None
+        self._key: bytes | None = None
+        self._digest: FileDigest | None = None
+        self._stored = b""
+
+    def start(self, integrity: str | None, key: bytes | None, verify: bool) -> None:
+        """Begin reading the tensors; with `verify`, every byte is hashed for `finish` to check."""
+        self._integrity, self._key = integrity, key
+        if verify and integrity is not None:
+            self._digest = FileDigest(key, scheme=integrity)
+            self._digest.update(self._prefix)
+
+    def take(self, name: str, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Tensor `name` (in the file's shape), read into `into` (that shape and dtype, any strides)
+        or into fresh memory. Tensors stored before it are read first and kept for later; each
+        tensor can be taken once."""
+        held = self._ahead.pop(name, None)
+        if held is None:
+            position = self._position[name]
+            if position < self._next:
+                raise CacheFormatError(f"tensor {name!r} is read twice")
+            while self._next < position:
+                skipped = self.entries[self._next]
+                self._ahead[skipped.name] = self._read_next(None)
+            return self._read_next(into)
+        if into is None:
+            return held
+        return into.copy_(held)
+
+    def _read_next(self, into: torch.Tensor | None) -> torch.Tensor:
+        entry = self.entries[self._next]
+        self._next += 1
+        if entry.name == DIGEST_TENSOR:
+            expected = [DIGEST_BYTES.get(self._integrity or "", -1)]
+            if entry is not self.entries[-1] or entry.dtype != "U8" or entry.shape != expected:
+                raise CacheFormatError("the file digest is misplaced or of the wrong size")
+            raw = bytearray(entry.end - entry.begin)
+            _read_exact(self._file, memoryview(raw), None)
+            self._stored = bytes(raw)
+            return torch.empty(0, dtype=torch.uint8)
+        target = into if into is not None and into.is_contiguous() else None
+        tensor = torch.empty(entry.shape, dtype=TORCH_DTYPES[entry.dtype]) if target is None else target
+        if tensor.numel():
+            _read_exact(self._file, memoryview(tensor.view(-1).view(torch.uint8).numpy()), self._digest)
+        if into is not None and target is None:  # a destination of other strides: one more copy
+            return into.copy_(tensor)
+        return tensor
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """Read what is left, check the digest (`CacheFormatError` on a mismatch or when it is
+        missing) and return the tensors nobody took."""
+        while self._next < len(self.entries):
+            name = self.entries[self._next].name
+            tensor = self._read_next(None)
+            if name != DIGEST_TENSOR:
+                self._ahead[name] = tensor
+        if self._integrity is not None and not self._stored:
+            raise CacheFormatError("the file digest is missing")
+        if self._digest is not None:
+            self._digest.verify(self._stored, self._key)
+        left, self._ahead = self._ahead, {}
+        return left
 
     def read_all(self, integrity: str | None, key: bytes | None, verify: bool) -> dict[str, torch.Tensor]:
         """Every tensor but the digest, read into fresh CPU memory; with `verify`, the digest of
-        every byte of the file checked first (`CacheFormatError` on a mismatch)."""
-        digest = None
-        if verify and integrity is not None:
-            digest = FileDigest(key, scheme=integrity)
-            digest.update(self._prefix)
-        tensors: dict[str, torch.Tensor] = {}
-        stored = b""
-        for entry in self.entries:
-            if entry.name == DIGEST_TENSOR:
-                expected = [DIGEST_BYTES.get(integrity or "", -1)]
-                if entry is not self.entries[-1] or entry.dtype != "U8" or entry.shape != expected:
-                    raise CacheFormatError("the file digest is misplaced or of the wrong size")
-                raw = bytearray(entry.end - entry.begin)
-                _read_exact(self._file, memoryview(raw), None)
-                stored = bytes(raw)
-                continue
-            tensor = torch.empty(entry.shape, dtype=TORCH_DTYPES[entry.dtype])
-            if tensor.numel():
-                _read_exact(self._file, memoryview(tensor.view(-1).view(torch.uint8).numpy()), digest)
-            tensors[entry.name] = tensor
-        if integrity is not None and not stored:
-            raise CacheFormatError("the file digest is missing")
-        if digest is not None:
-            digest.verify(stored, key)
-        return tensors
+        every byte of the file checked (`CacheFormatError` on a mismatch)."""
+        self.start(integrity, key, verify)
+        return self.finish()
+
+
+def physical_shape(shape: list[int], order: list[int] | None) -> list[int]:
+    """The shape a tensor of logical `shape` is stored in when its dims are stored in `order`."""
+    return shape if order is None else [shape[d] for d in order]
 
 
 class LoadedTensors:
-    """The `TensorSource` a cache is built from: tensors handed out once each after checking dtype
-    and shape, moved to the target device, and an allocation budget layers charge before allocating."""
+    """The `TensorSource` a cache is built from: each tensor handed out once after checking its dtype
+    and shape, read into the memory its layer chose (`CacheLayer.load_target`) when loading to the
+    CPU, or moved to the target device; and an allocation budget layers charge before allocating."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], specs: dict[str, tuple[str, list[int]]],
-                 device: str, budget: int) -> None:  # fmt: skip
-        self._tensors, self.specs, self._device, self._budget = tensors, specs, device, budget
+    def __init__(self, reader: FileReader, device: str, budget: int) -> None:
+        self._reader, self._device, self._budget = reader, device, budget
+        #: tensor name -> (safetensors dtype, shape as stored), in file order
+        self.stored = {e.name: (e.dtype, e.shape) for e in reader.entries if e.name != DIGEST_TENSOR}
+        self._taken: dict[str, tuple[str, list[int]]] = {}  # name -> (dtype, logical shape)
 
-    def take(self, name: str, dtype: str, shape: list[int], where: str) -> torch.Tensor:
-        if name not in self.specs:
+    def take(self, name: str, dtype: str, shape: list[int], where: str, order: list[int] | None = None,
+             target: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+        """Tensor `name` of `dtype` and logical `shape`, stored with its dims in `order` (None: as
+        they are). `target()` allocates where it should land (logical shape, any strides)."""
+        if name not in self.stored:
             raise CacheFormatError(f"{where}: tensor {name!r} is missing from the file")
-        if name not in self._tensors:
+        if name in self._taken:
             raise CacheFormatError(f"{where}: tensor {name!r} is used twice")
-        if self.specs[name] != (dtype, shape):
-            file_dtype, file_shape = self.specs[name]
+        stored = physical_shape(shape, order)
+        if self.stored[name] != (dtype, stored):
+            file_dtype, file_shape = self.stored[name]
             raise CacheFormatError(
                 f"{where}: tensor {name!r} is {file_dtype}{file_shape} in the file but the description "
-                f"says {dtype}{shape}"[:400]
+                f"says {dtype}{stored}"[:400]
             )
-        return self._tensors.pop(name).to(self._device)  # popped: the layer's copy is then the only one
+        self._taken[name] = (dtype, shape)
+        if target is not None and self._device == "cpu":
+            landing = target()
+            self.charge(landing.untyped_storage().nbytes() - landing.nbytes, where)
+            self._reader.take(name, landing if order is None else landing.permute(order))
+            return landing
+        tensor = self._reader.take(name)
+        if order is not None:
+            tensor = tensor.permute(sorted(range(len(order)), key=order.__getitem__))
+        return tensor.to(self._device)
 
     def charge(self, nbytes: int, where: str) -> None:
         """Count `nbytes` a layer is about to allocate; `CacheFormatError` past the budget."""
@@ -168,10 +241,18 @@ class LoadedTensors:
                 "allocate; pass load_cache(..., max_alloc_bytes=N) to allow it"
             )
 
-    def check_all_taken(self) -> None:
-        unused = sorted(self._tensors)
+    def finish(self) -> dict[str, tuple[str, list[int]]]:
+        """Read the rest of the file, check its digest, and refuse tensors no layer took; return
+        every tensor's dtype and (logical) shape, in file order."""
+        unused = sorted(self._reader.finish())
         if unused:
             raise CacheFormatError(f"the file holds tensors no layer describes: {unused[:5]}")
+        return {name: self._taken[name] for name in self.stored}
+
+    def raise_if_damaged(self) -> None:
+        """After a failed build: raise the digest's verdict instead when the file is damaged (a
+        flipped bit breaks the description before the digest is reached)."""
+        self._reader.finish()
 
 
 def default_budget(file_size: int) -> int:

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
@@ -60,6 +61,10 @@ MAX_ROWS_PER_TENSOR = 4096
 #: at most this many bytes (or one leading index's worth, if larger) and written from one buffer.
 MIN_ROW_BYTES = 64 * 1024
 PACK_BYTES = 4 * 1024 * 1024
+#: Bytes are written in pieces of at most this size; a piece of at least `OVERLAP_BYTES` is hashed
+#: in a second thread while it is written (measured: a save then costs what the write costs).
+WRITE_PIECE = 4 * 1024 * 1024
+OVERLAP_BYTES = 256 * 1024
 
 
 def dtype_name(dtype: torch.dtype, what: str) -> str:
@@ -123,8 +128,17 @@ def write_safetensors(
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
 
     def emit(data: bytes | memoryview) -> None:
-        file.write(data)
-        digest.update(data)
+        """Write `data`; large pieces are hashed in another thread while the write runs (the hash
+        releases the GIL), and both finish before the caller reuses the memory."""
+        if len(data) < OVERLAP_BYTES:
+            file.write(data)
+            digest.update(data)
+            return
+        for lo in range(0, len(data), WRITE_PIECE):
+            piece = data[lo : lo + WRITE_PIECE]
+            hashed = _hasher().submit(digest.update, piece)
+            file.write(piece)
+            hashed.result()
 
     emit(struct.pack("<Q", len(encoded)))
     emit(encoded)
@@ -132,6 +146,18 @@ def write_safetensors(
         for row in _rows(tensor):
             emit(row)
     file.write(digest.digest())
+
+
+_HASHER: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _hasher() -> ThreadPoolExecutor:
+    """The thread that hashes pieces while they are written: one per process, started on first use
+    (a forked child starts its own: the parent's thread does not exist there)."""
+    global _HASHER
+    if _HASHER is None or _HASHER[0] != os.getpid():
+        _HASHER = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="kvcache-digest"))
+    return _HASHER[1]
 
 
 def _umask() -> int:
