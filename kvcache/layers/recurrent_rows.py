@@ -16,6 +16,24 @@ import torch
 from .recurrent_slots import Slot
 
 
+def _gather(per_row: list[torch.Tensor | None], layout: torch.memory_format = torch.preserve_format
+            ) -> torch.Tensor | None:  # fmt: skip
+    """Row b of `per_row[b]` for every b, in fresh memory laid out as the first given state (zeros
+    for a row whose state did not exist yet); None when no row has one."""
+    like = next((t for t in per_row if t is not None), None)
+    if like is None:
+        return None
+    zeros = None
+    rows = []
+    for b, state in enumerate(per_row):
+        if state is None:
+            zeros = like.new_zeros(like.shape[1:]) if zeros is None else zeros
+            rows.append(zeros)
+        else:
+            rows.append(state[b])
+    return torch.empty_like(like, memory_format=layout).copy_(torch.stack(rows))
+
+
 def crop_rows(slots: list[Slot], lengths: list[int], counts: list[int]) -> list[int] | None:
     """Take row b of every active slot back by `counts[b]` tokens (checked: each count lands on a
     restorable boundary). `lengths` are the rows' token counts before; returns how many tokens
@@ -27,16 +45,8 @@ def crop_rows(slots: list[Slot], lengths: list[int], counts: list[int]) -> list[
         if not slot.active:
             continue
         states = {n: slot.state_at(slot.recorded - n) for n in distinct}
-        rec_like = next((r for r, _ in states.values() if r is not None), None)
-        conv_like = next((c for _, c in states.values() if c is not None), None)
-        rec = None if rec_like is None else torch.zeros_like(rec_like)
-        conv = None if conv_like is None else torch.zeros_like(conv_like, memory_format=torch.contiguous_format)
-        for n, (rec_n, conv_n) in states.items():
-            rows = torch.tensor([b for b, c in enumerate(counts) if c == n])
-            if rec is not None and rec_n is not None:
-                rec[rows.to(rec.device)] = rec_n[rows.to(rec.device)]
-            if conv is not None and conv_n is not None:
-                conv[rows.to(conv.device)] = conv_n[rows.to(conv.device)]
+        rec = _gather([states[c][0] for c in counts])
+        conv = _gather([states[c][1] for c in counts], torch.contiguous_format)
         slot.release(slot.steps)
         slot.steps.clear()
         slot.rec, slot.conv = rec, conv
