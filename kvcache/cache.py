@@ -232,6 +232,10 @@ class Cache:
         `-n_b` per batch row (a 1-D integer tensor or list), row b loses its last `n_b` tokens
         (docs/contract.md, "Per-row rollback"); rows then hold different numbers of tokens
         (`get_seq_lengths`)."""
+        if type(tokens_to_remove) is int and tokens_to_remove == 0:  # a commit: nothing to check
+            for layer in self.layers:
+                layer.crop(0)
+            return
         counts = row_crop_amounts(tokens_to_remove, self.batch_size)
         if counts is not None:  # read once (a tensor on an accelerator syncs once), then host ints
             tokens_to_remove = [-n for n in counts]
@@ -244,6 +248,13 @@ class Cache:
         for layer in self.layers:
             layer.activate_past_recording()
         self._record_new_layers = True
+
+    def stop_past_recording(self) -> None:
+        """Commit every layer and stop recording (layers created lazily later do not record either):
+        steps from now on cost no history, and cannot be rolled back."""
+        for layer in self.layers:
+            layer.record_past = False
+        self._record_new_layers = False
 
     def is_recording_past(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` is recording (False for a layer not created yet)."""

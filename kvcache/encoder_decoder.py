@@ -122,6 +122,9 @@ class EncoderDecoderCache:
     def activate_past_recording(self) -> None:
         self.self_attention_cache.activate_past_recording()
 
+    def stop_past_recording(self) -> None:
+        self.self_attention_cache.stop_past_recording()
+
     def is_recording_past(self, layer_idx: int) -> bool:
         return self.self_attention_cache.is_recording_past(layer_idx)
 

@@ -1,51 +1,96 @@
-"""`DraftGate`, the default schedule's decision whether to draft at all, driven by synthetic step
-costs: it turns drafting off when drafts cost more per token than plain steps, probes with one
-token after a gap that doubles while probes lose, turns drafting back on when a probe pays, and
-keeps drafting where drafts pay."""
+"""`DraftGate`, the default schedule's choice of how many tokens to draft (none included), driven by
+synthetic step costs and acceptance: it stops drafting where drafts cost more per token than plain
+steps, keeps drafting the most where they pay, comes back when shadow proposals say the drafts got
+good, charges a re-feeding target for what a rejection costs it, and asks an expensive drafter
+for shadows only now and then. `ForwardCost` estimates forwards of unmeasured lengths."""
 
 from __future__ import annotations
 
-from kvcache.generation.draft_schedule import DraftGate
+import random
 
-PLAIN_STEP = 1.0
+import pytest
+
+from kvcache.generation.draft_schedule import DraftGate, ForwardCost
 
 
-def run(gate: DraftGate, steps: int, draft_cost: float, tokens_when_drafting: int) -> list[int]:
-    """Drive `gate` for `steps` steps; each drafting step costs `draft_cost` and emits
-    `tokens_when_drafting`; return the budget granted at each step (4 wanted)."""
-    budgets = []
+def drive(gate: DraftGate, steps: int, per_token: float, rate: float, seed: int = 0,
+          draft_cost: float = 0.0, refeeds: bool = False) -> list[int]:  # fmt: skip
+    """`steps` steps of a target whose forward of n tokens costs `1 + per_token * (n - 1)` seconds
+    and a drafter right with probability `rate` per token (`draft_cost` seconds per proposed
+    token); returns the draft length chosen at each step."""
+    coins = random.Random(seed)
+    chosen = []
     for _ in range(steps):
-        budget = gate.budget(4)
-        budgets.append(budget)
-        if budget:
-            gate.record(True, draft_cost, tokens_when_drafting)
-        else:
-            gate.record(False, PLAIN_STEP, 1)
-    return budgets
+        k = gate.budget(4)
+        chosen.append(k)
+        asked = k or int(gate.shadow())
+        accepted = 0
+        while accepted < asked and coins.random() < rate:
+            accepted += 1
+        gate.record(1 + k, 1 + per_token * k, asked, accepted, draft_cost * asked,
+                    refed=refeeds and k > 0 and accepted < k, shadow=not k)  # fmt: skip
+    return chosen
 
 
-def test_poor_drafts_are_turned_off_and_probed_ever_more_rarely() -> None:
-    budgets = run(DraftGate(), 400, draft_cost=2.0, tokens_when_drafting=1)
-    assert budgets[0] == 4 and budgets[1] == 0  # a first draft, then a plain step to compare
-    drafting = [i for i, b in enumerate(budgets) if b]
-    assert len(drafting) <= 16  # of 400 steps: the few it takes to decide, then probes
-    probes = [budgets[i] for i in drafting[6:]]
-    assert probes and set(probes) == {1}  # probes draft one token: the cheapest verify
-    gaps = [b - a for a, b in zip(drafting[6::2], drafting[8::2], strict=False)]
-    assert gaps == sorted(gaps) and gaps[-1] > 2 * gaps[0]  # the gap grows while probes lose
-    wasted = sum(2.0 - 1.0 for b in budgets if b)  # what drafting cost beyond plain steps
-    assert wasted / len(budgets) < 0.05
+def test_poor_drafts_are_turned_off_after_a_few_steps() -> None:
+    chosen = drive(DraftGate(4), 300, per_token=0.5, rate=0.03)
+    assert chosen[0] == 0  # a plain step first: nothing to compare against yet
+    drafting = [i for i, k in enumerate(chosen) if k]
+    assert drafting and drafting[-1] < 20 and len(drafting) <= 6  # a short exploration, then none
+    wasted = sum(0.5 * k for k in chosen)  # what drafting cost beyond plain steps (it gained ~nothing)
+    assert wasted / len(chosen) < 0.02
 
 
-def test_good_drafts_keep_drafting_with_a_rare_plain_step() -> None:
-    budgets = run(DraftGate(), 300, draft_cost=1.5, tokens_when_drafting=4)
-    assert budgets[1] == 0 and sum(b == 0 for b in budgets) <= 2 + 300 // DraftGate.REFRESH
-    assert all(b == 4 for i, b in enumerate(budgets[2:50]))
+def test_good_drafts_draft_the_most_every_step() -> None:
+    """After a plain step, drafts of 1 and 3 tokens (each accepted whole lets the next grow by
+    two), then the most every step."""
+    chosen = drive(DraftGate(4), 200, per_token=0.1, rate=1.0)
+    assert chosen[:3] == [0, 1, 3] and all(k == 4 for k in chosen[3:])
 
 
-def test_a_probe_that_pays_turns_drafting_back_on() -> None:
-    gate = DraftGate()
-    run(gate, 60, draft_cost=2.0, tokens_when_drafting=1)
-    assert not gate.drafting
-    budgets = run(gate, 200, draft_cost=1.2, tokens_when_drafting=3)  # the drafts got good
-    assert gate.drafting and budgets[-1] == 4
+def test_middling_drafts_on_a_cheap_target_draft_a_little() -> None:
+    """At 50% every draft length pays on a target whose extra tokens cost 5% each, the third token
+    the most (1.875 tokens for 1.15 of a step's cost; a fourth adds 3% of a token for 5% of a
+    step): the gate drafts at every step, mostly 2 or 3 tokens."""
+    chosen = drive(DraftGate(4), 400, per_token=0.05, rate=0.5)
+    settled = chosen[50:]
+    assert all(k >= 1 for k in settled) and sorted(settled)[len(settled) // 2] in (2, 3)
+
+
+def test_drafts_that_turn_good_are_taken_up_again() -> None:
+    gate = DraftGate(4)
+    assert not any(drive(gate, 100, per_token=0.3, rate=0.0)[20:])
+    chosen = drive(gate, 100, per_token=0.3, rate=0.95, seed=1)  # judged by shadow proposals, free of cost
+    assert chosen[-1] == 4 and sum(k > 0 for k in chosen) > 80
+
+
+def test_a_refeeding_target_is_charged_for_rejections() -> None:
+    """Where a target re-feeds the kept tokens of a rejected step, middling drafts pay less: the
+    same costs and acceptance draft less once the gate has seen a re-feed."""
+    plain_crop = drive(DraftGate(4), 300, per_token=0.25, rate=0.45, seed=2)
+    refeeding = drive(DraftGate(4), 300, per_token=0.25, rate=0.45, seed=2, refeeds=True)
+    assert sum(refeeding[50:]) < sum(plain_crop[50:])
+
+
+def test_an_expensive_drafter_is_shadowed_rarely() -> None:
+    gate = DraftGate(4)
+    drive(gate, 10, per_token=0.5, rate=0.0, draft_cost=0.5)  # a drafter costing half a plain step per token
+    shadows = sum(gate.shadow() for _ in range(200))
+    assert 1 <= shadows <= 200 * DraftGate.SHADOW_BUDGET * 2
+    cheap = DraftGate(4)
+    drive(cheap, 10, per_token=0.5, rate=0.0, draft_cost=1e-4)
+    assert sum(cheap.shadow() for _ in range(200)) == 200
+
+
+def test_forward_cost_estimates() -> None:
+    cost = ForwardCost()
+    assert cost(3) is None
+    cost.add(1, 2.0)
+    assert cost(1) == cost(5) == 2.0  # one length measured: the same for all (optimistic)
+    cost.add(5, 4.0)
+    assert cost(3) == pytest.approx(3.0) and cost(9) == pytest.approx(6.0)  # between, beyond
+    cost.add(3, 5.0)
+    assert cost(2) == pytest.approx(3.5) and cost(4) == pytest.approx(4.5)  # the nearest on each side
+    for _ in range(20):
+        cost.add(1, 1.0)
+    assert cost(1) == pytest.approx(1.0, abs=0.05)  # recent measurements dominate

@@ -7,12 +7,14 @@ sampling the standard speculative-sampling rule (Leviathan et al. 2023, Chen et 
 output distribution equal to the target's.
 
 Recurrent layers can be cropped inside the verify forward only when the model handed the cache the
-per-token intermediate states; otherwise the target is cropped to the start of the verify forward
-and the accepted tokens are fed again, in front of the next verify forward (so a rejection costs
-no forward of its own; when many such tokens pile up, one plain step feeds them).
-`SpeculativeOutput` says which ran. With `draft_schedule="adaptive"` the number of draft tokens
-follows the acceptance (up by 2 after a fully accepted draft, down by 1 otherwise, as
-transformers' assistant schedule), so a drafter that is mostly wrong costs little.
+per-token intermediate states (the reference models' `set_return_intermediate_states`, wrapped
+transformers Mamba2 / Qwen3-Next through `set_per_token_recurrence`); otherwise the target is
+cropped to the start of the verify forward and the accepted tokens are fed again, in front of the
+next verify forward (so a rejection costs no forward of its own; when many such tokens pile up,
+one plain step feeds them). `SpeculativeOutput` says which ran. With greedy decoding and
+`draft_schedule="adaptive"` (the default) each step drafts the number of tokens, none included,
+that the run's own measurements say gives the most tokens per second (`DraftGate`); a step that
+drafts nothing is not recorded for rollback, so it costs what a plain decoding step costs.
 
 A batch (several rows, or a left-padded one) goes through `speculative_batch`: rows accept
 different numbers of tokens and the caches are cropped per row.
@@ -144,8 +146,8 @@ class Verifier:
         """Check `draft` against the target's logits for the pending token and every draft token
         (`[n + 1, vocab]`); return (number of draft tokens accepted, tokens to append)."""
         n = len(draft.tokens)
-        if not self.do_sample:
-            choice = self.sampling.scores(target_logits).argmax(-1).tolist()
+        if not self.do_sample:  # greedy: the argmax of the raw logits (as float32, the same order)
+            choice = target_logits.argmax(-1).tolist()
             accepted = 0
             while accepted < n and draft.tokens[accepted] == choice[accepted]:
                 accepted += 1
@@ -219,10 +221,11 @@ def speculative_generate(
     targets; each cache is checked against its model before any work.
     `draft_schedule`: "acceptance" (start at `num_draft_tokens`, at most that many; down by one
     after a rejection, never below 1, up by two after a fully accepted draft); "adaptive" (the
-    default: that draft length, and for greedy decoding no drafting at all while drafts cost more
-    per token than plain steps, measured in the run, with a one-token probe now and then; sampling
-    uses "acceptance", which keeps seeded runs reproducible, and so do batches, row by row);
-    "constant" (always `num_draft_tokens`). Greedy output does not depend on it.
+    default: for greedy decoding, each step drafts the length from 0 to `num_draft_tokens` with
+    the most expected tokens per second, from what forwards, the drafter and its acceptance cost
+    and earned so far in the run, the acceptance kept current by one-token shadow proposals while
+    not drafting; sampling uses "acceptance", which keeps seeded runs reproducible, and so do
+    batches, row by row); "constant" (always `num_draft_tokens`). Greedy output does not depend on it.
     `prefix_store`: the target starts from the prompt's longest stored prefix, as in `generate`.
     """
     encoder_decoder = check_model(target)
@@ -273,7 +276,7 @@ def speculative_generate(
         schedule = DraftLength(num_draft_tokens, adaptive=draft_schedule != "constant")
         # timing decides when to draft, so a sampled run would consume its generator differently
         # from one run to the next: sampling keeps the reproducible schedule
-        gate = DraftGate() if draft_schedule == "adaptive" and not do_sample else None
+        gate = DraftGate(num_draft_tokens) if draft_schedule == "adaptive" and not do_sample else None
         out = _decode(runner, drafter, verifier, sequence, schedule, max_new_tokens, eos, gate)
     finally:
         restore()
@@ -309,35 +312,44 @@ def _decode(
         # Kept tokens a deferred re-feed left out of the target's cache go in front of this forward.
         # A fully accepted draft leaves the cache whole again; once PENDING_PER_DRAFT_TOKEN per draft
         # token pile up, a plain step (no draft, nothing to roll back) feeds them.
-        started = time.perf_counter()
         pending = len(sequence) - 1 - len(runner.tokens)
-        budget = min(schedule.current, max_new_tokens - generated - 1)  # the target adds one token itself
+        allowed = min(schedule.maximum if gate else schedule.current, max_new_tokens - generated - 1)
         if pending >= PENDING_PER_DRAFT_TOKEN * schedule.maximum:
-            budget = 0
-        elif gate is not None:
-            budget = gate.budget(budget)
-        proposal = drafter.propose(sequence, budget, verifier.pick) if budget > 0 else Draft([])
-        proposal = check_draft(proposal, budget, runner.vocab_size)
-        logits = runner.feed(sequence[len(runner.tokens) :] + proposal.tokens)[pending:]
-        accepted, new_tokens = verifier.verify(proposal, logits)
-        schedule.update(len(proposal.tokens), accepted)
+            allowed = 0
+        budget = allowed if gate is None else gate.budget(allowed, pending)
+        asked = budget or int(gate is not None and allowed > 0 and gate.shadow())  # a shadow: judged, not fed
+        started = time.perf_counter()
+        proposal = Draft([])
+        if asked:
+            proposal = check_draft(drafter.propose(sequence, asked, verifier.pick), asked, runner.vocab_size)
+        drafted = time.perf_counter()
+        fed = proposal.tokens if budget else []
+        logits = runner.feed(sequence[len(runner.tokens) :] + fed, rollback=bool(fed))[pending:]
+        accepted, new_tokens = verifier.verify(Draft(fed, proposal.probs if budget else None), logits)
+        if not budget and proposal.tokens:  # the shadow proposal, judged against the target's token
+            accepted = int(proposal.tokens[0] == new_tokens[0])
+        schedule.update(len(fed), accepted)
         new_tokens = new_tokens[: max_new_tokens - generated]
         hit_eos = next((i for i, t in enumerate(new_tokens) if t in eos), None)
         if hit_eos is not None:
             new_tokens = new_tokens[: hit_eos + 1]
         sequence.extend(new_tokens)
         generated += len(new_tokens)
-        out.target_rollback_paths[runner.truncate(len(sequence) - 1, defer_refeed=True)] += 1
+        path = runner.truncate(len(sequence) - 1, defer_refeed=True)
+        out.target_rollback_paths[path] += 1
+        verified = time.perf_counter()
         out.draft_rollback_paths[drafter.accept(sequence)] += 1
-        if gate is not None:  # a plain step feeding re-fed tokens pays for the drafts before it
-            gate.record(bool(proposal.tokens), time.perf_counter() - started, len(new_tokens), refeed=pending > 0)
-        out.proposed_per_step.append(len(proposal.tokens))
-        out.accepted_per_step.append(accepted)
+        if gate is not None:
+            draft_seconds = drafted - started + time.perf_counter() - verified
+            gate.record(pending + 1 + len(fed), verified - drafted, len(proposal.tokens), accepted, draft_seconds,
+                        refed=path == REFEED, shadow=not budget)  # fmt: skip
+        out.proposed_per_step.append(len(fed))
+        out.accepted_per_step.append(accepted if budget else 0)
         out.emitted_per_step.append(len(new_tokens))
         if hit_eos is not None:
             break
     if len(runner.tokens) < len(sequence) - 1:  # the returned cache holds every token but the last
-        runner.feed(sequence[len(runner.tokens) : -1])
+        runner.feed(sequence[len(runner.tokens) : -1], rollback=False)
         runner.truncate(len(sequence) - 1)
 
     out.target_forwards = runner.forwards

@@ -49,6 +49,8 @@ class ModelRunner:
         self._model_kwargs = dict(model_kwargs or {})
         self._step_sizes: list[int] = []  # sizes of the forwards since the commit point
         self._committed_length = 0  # tokens held at the commit point
+        self._recording = False  # whether the cache records (set by `start_recording`, `feed`)
+        self._positions = torch.arange(0, device=device)[None]
         self._encoder_kwargs: dict[str, Any] = {}
         if self.is_encoder_decoder:
             if encoder_input_ids is None:
@@ -66,12 +68,23 @@ class ModelRunner:
         """Tokens held at the commit point (no rollback reaches below it)."""
         return self._committed_length
 
-    def feed(self, tokens: Sequence[int]) -> torch.Tensor:
-        """Run the model on `tokens` (appended to its cache); return their logits `[len(tokens), vocab]`."""
+    def feed(self, tokens: Sequence[int], *, rollback: bool = True) -> torch.Tensor:
+        """Run the model on `tokens` (appended to its cache); return their logits `[len(tokens), vocab]`.
+        `rollback=False`: nothing of this forward will be cropped (a plain step), so the cache does
+        not record it (no snapshots, no history): it is committed at once."""
+        if rollback != self._recording:
+            if rollback:
+                self.start_recording()
+            else:
+                self.cache.stop_past_recording()
+                self._recording = False
+                self._step_sizes.clear()
         n = len(tokens)
         start = len(self.tokens)
         input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
-        position_ids = torch.arange(start, start + n, device=self.device).unsqueeze(0)
+        if start + n > self._positions.shape[1]:  # position ids are views of one range, grown by doubling
+            self._positions = torch.arange(2 * (start + n), device=self.device)[None]
+        position_ids = self._positions[:, start : start + n]
         with torch.no_grad():
             logits = self.model(
                 input_ids, cache=self.cache, position_ids=position_ids, **self._encoder_kwargs, **self._model_kwargs
@@ -80,7 +93,10 @@ class ModelRunner:
             shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
             raise GenerationError(f"{type(self.model).__name__} returned logits {shape}, expected [1, {n}, vocab]")
         self.tokens.extend(int(t) for t in tokens)
-        self._step_sizes.append(n)
+        if rollback:
+            self._step_sizes.append(n)
+        else:
+            self._committed_length = len(self.tokens)
         self.forwards += 1
         return logits[0]
 
@@ -95,13 +111,14 @@ class ModelRunner:
             )
         self.tokens = [int(t) for t in prompt[:held]]
         if held < len(prompt) - 1:
-            self.feed(prompt[held:-1])  # before recording: the prompt costs no rollback memory
+            self.feed(prompt[held:-1], rollback=False)  # not recorded: the prompt costs no rollback memory
         self.start_recording()
         self.forwards = 0  # count decoding forwards only
 
     def start_recording(self) -> None:
         """Make the current content the commit point and record what rollback needs from now on."""
         self.cache.activate_past_recording()
+        self._recording = True
         self._step_sizes.clear()
         self._committed_length = len(self.tokens)
 
@@ -149,6 +166,7 @@ class ModelRunner:
             self.refeeds += 1
 
     def _commit(self) -> None:
-        self.cache.crop(0)
+        if self._recording:  # a cache that does not record holds nothing to commit
+            self.cache.crop(0)
         self._step_sizes.clear()
         self._committed_length = len(self.tokens)

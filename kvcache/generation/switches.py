@@ -14,10 +14,13 @@ from ..errors import GenerationError
 
 
 def intermediate_states_switch(target: Any, wanted: bool | None) -> Callable[[bool], Callable[[], None]]:
-    """A function that sets the target's intermediate-states switch and returns its undo."""
+    """A function that sets the target's intermediate-states switch (or its per-token recurrence)
+    and returns its undo."""
     setter = getattr(target, "set_return_intermediate_states", None)
     if wanted is not None and not isinstance(wanted, bool):
         raise GenerationError(f"intermediate_states must be None, True or False, got {wanted!r}")
+    if setter is None and wanted is not False and getattr(target, "has_per_token_recurrence", False):
+        return row_states(target, wanted)[1]
     if wanted and setter is None:
         raise GenerationError(
             f"intermediate_states=True but {type(target).__name__} has no set_return_intermediate_states()"
