@@ -14,10 +14,10 @@ what it returned; safetensors' default memory-mapped load is shown beside it. Me
 (`--dir`) and are deleted.
 
 Method, so that one contender's disk traffic does not land on another's clock: every save writes a
-fresh file; before each flushed save (untimed) `os.sync()` writes back what earlier samples left
-dirty. Before each load, memory freed by earlier samples goes back to the OS (`malloc_trim`), so
-every loader writes into fresh pages (their faults cost as much as the copy here). Loads are
-reported warm (the file in the page cache) and cold (the file dropped from the page cache with
+fresh file; before each save (untimed) `os.sync()` writes back what earlier samples left dirty.
+Before each load, memory freed by earlier samples goes back to the OS (`malloc_trim`), so every
+loader writes into fresh pages (their faults cost as much as the copy here). Loads are reported
+warm (the file in the page cache) and cold (the file dropped from the page cache with
 `posix_fadvise(DONTNEED)` before each sample, where available).
 
     python benchmarks/persistence.py [--quick] [--repeats 5] [--dir /tmp]
@@ -109,14 +109,14 @@ def measure(size_mib: int, repeats: int, directory: str | None = None) -> dict[s
         ours, theirs, torch_path = Path(tmp) / "cache.safetensors", Path(tmp) / "plain.safetensors", Path(tmp) / "t.pt"
         raw = bytes(sum(t.nbytes for t in plain.values()))
 
-        def fresh(path: Path, sync: bool) -> Callable[[], Path]:
-            """Untimed: remove `path` (every save makes a new file) and, before a flushed save,
-            write back whatever earlier samples left dirty."""
+        def fresh(path: Path) -> Callable[[], Path]:
+            """Untimed: remove `path` (every save makes a new file) and write back whatever earlier
+            samples left dirty: a few unflushed 0.5 GiB saves reach the kernel's dirty-page limit,
+            after which a save waits for the writeback of the ones before it."""
 
             def setup() -> Path:
                 path.unlink(missing_ok=True)
-                if sync:
-                    os.sync()
+                os.sync()
                 return path
 
             return setup
@@ -136,12 +136,12 @@ def measure(size_mib: int, repeats: int, directory: str | None = None) -> dict[s
 
         save = rotate_timings(
             {
-                "ours": timed_after(fresh(ours, True), lambda p: save_cache(cache, p)),
-                "theirs": timed_after(fresh(theirs, True), fsynced(lambda p: save_file(plain, p))),
-                "raw": timed_after(fresh(Path(tmp) / "raw.bin", True), fsynced(write_raw)),
-                "ours_nosync": timed_after(fresh(ours, False), lambda p: save_cache(cache, p, fsync=False)),
-                "theirs_nosync": timed_after(fresh(theirs, False), lambda p: save_file(plain, p)),
-                "torch": timed_after(fresh(torch_path, False), lambda p: torch.save(plain, p)),
+                "ours": timed_after(fresh(ours), lambda p: save_cache(cache, p)),
+                "theirs": timed_after(fresh(theirs), fsynced(lambda p: save_file(plain, p))),
+                "raw": timed_after(fresh(Path(tmp) / "raw.bin"), fsynced(write_raw)),
+                "ours_nosync": timed_after(fresh(ours), lambda p: save_cache(cache, p, fsync=False)),
+                "theirs_nosync": timed_after(fresh(theirs), lambda p: save_file(plain, p)),
+                "torch": timed_after(fresh(torch_path), lambda p: torch.save(plain, p)),
             },
             repeats,
             warmup=1,

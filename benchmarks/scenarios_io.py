@@ -39,7 +39,7 @@ def persistence_scenario(mode: str) -> Section:
         "`.safetensors` file; the baselines get the same tensors, already contiguous: `safetensors.torch."
         "save_file`/`load_file` and `torch.save`/`torch.load` (`persistence.measure`). Median ±spread of "
         f"{repeats} round-robin repetitions, in seconds. Every save writes a fresh file; `os.sync()` runs "
-        "(untimed) before each flushed save, so no sample pays for another's writeback. Loads: warm (file in the "
+        "(untimed) before each save, so no sample pays for another's writeback. Loads: warm (file in the "
         "page cache) and cold (dropped with posix_fadvise(DONTNEED) before each sample"
         + ("" if result["cold_reads"] else "; not available here, so cold equals warm")
         + ").",
