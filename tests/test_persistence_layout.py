@@ -191,3 +191,23 @@ def test_a_forked_child_saves_with_a_hashing_thread_of_its_own(tmp_path: Path) -
         pytest.fail("the forked child's save hung")
     assert child.exitcode == 0
     assert torch.equal(load_cache(tmp_path / "c.safetensors").layers[0].keys, _FORK_CACHE[0].layers[0].keys)
+
+
+def test_adopt_state_keeps_landing_storage_and_copies_anything_else() -> None:
+    """`adopt_state` keeps storage `load_target` handed out (no copy); keys and values that share
+    storage, or a plain contiguous tensor, are copied, so appends to one never show in the other."""
+    from kvcache.layers.kv_buffer import KVBuffer
+
+    gen = torch.Generator().manual_seed(9)
+    keys, values = (KVBuffer.landing([2, H, 5, D], torch.float32) for _ in range(2))
+    keys.copy_(torch.randn(2, H, 5, D, generator=gen))
+    values.copy_(torch.randn(2, H, 5, D, generator=gen))
+    layer = DynamicLayer.adopt_state({"seq_length": 5}, {"keys": keys, "values": values})
+    assert layer._kv.keys.data_ptr() == keys.data_ptr() and layer._kv.values.data_ptr() == values.data_ptr()
+    same = DynamicLayer.adopt_state({"seq_length": 5}, {"keys": keys, "values": keys})
+    plain = DynamicLayer.adopt_state({"seq_length": 5}, {"keys": keys.contiguous(), "values": values.contiguous()})
+    for adopted in (same, plain):
+        new_k, new_v = torch.ones(2, H, 1, D), torch.zeros(2, H, 1, D)
+        out_k, out_v = adopted.update(new_k, new_v)
+        assert torch.equal(out_k[:, :, -1:], new_k) and torch.equal(out_v[:, :, -1:], new_v)
+        assert torch.equal(out_k[:, :, :5], keys)

@@ -178,7 +178,8 @@ class KVBuffer:
         sequence-major storage (what `landing` hands out), else over copies (`from_tensors`). The
         caller gives the tensors up."""
         keys_storage, values_storage = _storage_behind(keys), _storage_behind(values)
-        if keys_storage is None or values_storage is None or keys_storage.shape[0] != values_storage.shape[0]:
+        shared = keys.untyped_storage().data_ptr() == values.untyped_storage().data_ptr()
+        if keys_storage is None or values_storage is None or shared or keys_storage.shape[0] != values_storage.shape[0]:
             return cls.from_tensors(keys, values, headroom)
         buf = cls(headroom)
         buf._set_storage(keys_storage, values_storage)
