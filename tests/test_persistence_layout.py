@@ -211,3 +211,14 @@ def test_adopt_state_keeps_landing_storage_and_copies_anything_else() -> None:
         out_k, out_v = adopted.update(new_k, new_v)
         assert torch.equal(out_k[:, :, -1:], new_k) and torch.equal(out_v[:, :, -1:], new_v)
         assert torch.equal(out_k[:, :, :5], keys)
+
+
+@pytest.mark.parametrize("layer_cls", [DynamicLayer, SlidingWindowLayer, HybridLayer, RecurrentLayer])
+def test_load_target_and_adopt_state_refuse_bad_input(layer_cls: type) -> None:
+    from kvcache import CacheInputError
+
+    for shape, dtype in (([1, -2, 3, 4], torch.float32), ("keys", torch.float32), ([1, 2, 3, 4], "float32")):
+        with pytest.raises(CacheInputError, match="load_target"):
+            layer_cls.load_target({}, "keys", shape, dtype)
+    with pytest.raises(CacheInputError):
+        layer_cls.adopt_state({"seq_length": -1, "sliding_window": 0}, {"keys": torch.zeros(1, 1, 1, 1)})

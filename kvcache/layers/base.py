@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 from typing_extensions import Self
 
-from ..errors import RollbackError
+from ..errors import CacheInputError, RollbackError
 from ..validation import check_batch_index, check_move, check_repeats, crop_amount, row_crop_amounts
 
 #: Every concrete layer class by its name. Loading a file builds only classes found here.
@@ -240,7 +240,7 @@ class CacheLayer(ABC):
         """Uninitialised CPU memory of `shape` and `dtype` for a loader to read tensor `name` into before
         `adopt_state`: a layer that adopts may hand out a view of the storage it will keep (with room
         to grow), so a loaded tensor is copied once, by the read itself."""
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(check_target(shape, dtype, cls.__name__), dtype=dtype)
 
     @classmethod
     def planned_nbytes(cls, meta_state: dict[str, Any], state: dict[str, torch.Tensor]) -> int:
@@ -268,6 +268,15 @@ class CacheLayer(ABC):
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v}" for k, v in self.meta_state.items())
         return f"{type(self).__name__}({params})"
+
+
+def check_target(shape: Any, dtype: Any, who: str) -> list[int]:
+    """`load_target`'s arguments: a list of non-negative ints and a torch dtype (`CacheInputError` else)."""
+    if not isinstance(shape, (list, tuple)) or not all(type(n) is int and n >= 0 for n in shape):
+        raise CacheInputError(f"{who}.load_target: shape must be a list of non-negative ints, got {shape!r}"[:300])
+    if not isinstance(dtype, torch.dtype):
+        raise CacheInputError(f"{who}.load_target: dtype must be a torch.dtype, got {dtype!r}")
+    return list(shape)
 
 
 def index_layers_batch(layers: Iterable[CacheLayer], index: Any, name: str) -> None:

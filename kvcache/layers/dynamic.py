@@ -9,7 +9,7 @@ from typing_extensions import Self
 
 from ..errors import CacheInputError
 from ..validation import check_query_length, check_row_lengths
-from .base import CacheLayer, register_layer
+from .base import CacheLayer, check_target, register_layer
 from .kv_buffer import Headroom, KVBuffer
 
 
@@ -152,6 +152,7 @@ class DynamicLayer(CacheLayer):
 
     @classmethod
     def load_target(cls, meta_state: dict[str, Any], name: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+        shape = check_target(shape, dtype, cls.__name__)
         if name in ("keys", "values") and len(shape) == 4:
             return KVBuffer.landing(shape, dtype, cls.headroom_of(meta_state))
         return super().load_target(meta_state, name, shape, dtype)
