@@ -254,6 +254,28 @@ def test_matches_the_package_generate(targets, kind):
 
 
 @pytest.mark.parametrize("kind", ["sliding", "hybrid", "encoder_decoder"])
+def test_default_schedule_takes_the_first_token_from_the_prefill_as_generate_does(targets, kind):
+    """The timed schedule measures a plain step before it drafts, so its prefill feeds the whole
+    prompt and the first token costs no forward of its own: the same forward `generate` runs, so a
+    one-token run leaves the very tensors `generate` leaves (bitwise: same kernels, same shapes)."""
+    target = targets[kind]
+    prompt = torch.tensor([[2, 11, 4, 19, 8, 3]])
+    plain = generate(target, prompt, max_new_tokens=1)
+    out = speculative_generate(target, PromptLookupDrafter(), prompt, max_new_tokens=1)
+    assert torch.equal(out.sequences, plain.sequences)
+    assert out.target_forwards == 0 and out.emitted_per_step == [1] and out.proposed_per_step == [0]
+    for got, want in zip(_layers(out.cache), _layers(plain.cache), strict=True):
+        assert sorted(got.state) == sorted(want.state)
+        assert all(torch.equal(got.state[name], want.state[name]) for name in got.state)
+    timed = speculative_generate(target, PromptLookupDrafter(), prompt, max_new_tokens=6)
+    constant = speculative_generate(target, PromptLookupDrafter(), prompt, max_new_tokens=6, draft_schedule="constant")
+    # one forward per step but the first (the constant schedule's first step feeds the prompt's last token)
+    assert timed.target_forwards == len(timed.emitted_per_step) - 1
+    assert constant.target_forwards == len(constant.emitted_per_step)
+    assert torch.equal(timed.sequences, constant.sequences)
+
+
+@pytest.mark.parametrize("kind", ["sliding", "hybrid", "encoder_decoder"])
 def test_prompt_lookup_drafter_keeps_greedy_output(targets, kind):
     target = targets[kind]
     prompt = torch.tensor([[3, 4, 5, 6, 3, 4, 5, 6, 3, 4]])

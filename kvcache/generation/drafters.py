@@ -253,7 +253,7 @@ def check_draft(draft: Draft, budget: int, vocab_size: int) -> Draft:
         raise GenerationError(f"a drafter must return a Draft, got {type(draft).__name__}")
     if len(draft.tokens) > budget:
         raise GenerationError(f"the drafter proposed {len(draft.tokens)} tokens, more than the {budget} asked for")
-    if any(not 0 <= t < vocab_size for t in draft.tokens):
+    if draft.tokens and not 0 <= min(draft.tokens) <= max(draft.tokens) < vocab_size:
         raise GenerationError(f"the drafter proposed token ids outside [0, {vocab_size})")
     if draft.probs is not None and tuple(draft.probs.shape) != (len(draft.tokens), vocab_size):
         raise GenerationError(

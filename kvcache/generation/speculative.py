@@ -270,14 +270,16 @@ def speculative_generate(
             drafter.start(sequence, device=device, cache=draft_cache)  # type: ignore[call-arg]
         else:
             drafter.start(sequence, device=device)
-    runner.prefill(sequence)
+    # timing decides when to draft, so a sampled run would consume its generator differently
+    # from one run to the next: sampling keeps the reproducible schedule
+    gate = DraftGate(num_draft_tokens) if draft_schedule == "adaptive" and not do_sample else None
+    # the gate measures a plain step before any draft, so the prefill may as well give the first token
+    first = runner.prefill(sequence, whole=gate is not None)
     restore = use_intermediate(True)
     try:
         schedule = DraftLength(num_draft_tokens, adaptive=draft_schedule != "constant")
-        # timing decides when to draft, so a sampled run would consume its generator differently
-        # from one run to the next: sampling keeps the reproducible schedule
-        gate = DraftGate(num_draft_tokens) if draft_schedule == "adaptive" and not do_sample else None
-        out = _decode(runner, drafter, verifier, sequence, schedule, max_new_tokens, eos, gate)
+        with torch.no_grad():  # one scope for the whole loop: the runners' own ones then cost nothing
+            out = _decode(runner, drafter, verifier, sequence, schedule, max_new_tokens, eos, gate, first)
     finally:
         restore()
     out.sequences = torch.tensor([sequence], dtype=torch.long, device=device)
@@ -291,6 +293,8 @@ SCHEDULES = ("adaptive", "acceptance", "constant")
 #: forgoes one step of speculation; more pending tokens make each forward longer. At 4, forwards
 #: per token stay within 1.1x of the crop path's (tests/test_speculative.py).
 PENDING_PER_DRAFT_TOKEN = 4
+#: A step that drafts nothing.
+NO_DRAFT = Draft([])
 
 
 def _decode(
@@ -302,13 +306,36 @@ def _decode(
     max_new_tokens: int,
     eos: frozenset[int],
     gate: DraftGate | None = None,
+    first: torch.Tensor | None = None,
 ) -> SpeculativeOutput:
-    """The draft / verify / roll back loop; extends `sequence` in place."""
+    """The draft / verify / roll back loop; extends `sequence` in place. `first`: the logits of the
+    sequence's last token when the prefill fed it (the first token then costs no forward of its
+    own, as in `generate`). A step that drafts nothing costs little more than a forward: this loop
+    runs once per token where drafting does not pay."""
     out = SpeculativeOutput(
         sequences=torch.empty(0), cache=runner.cache, draft_cache=None, target_forwards=0, draft_forwards=0
     )
     generated = 0
-    while generated < max_new_tokens:
+
+    def emit(new_tokens: list[int], proposed: int, accepted: int) -> bool:
+        """Append the step's tokens (cut at `max_new_tokens` and eos); whether it ended the run."""
+        nonlocal generated
+        new_tokens = new_tokens[: max_new_tokens - generated]
+        hit_eos = bool(eos) and not eos.isdisjoint(new_tokens)
+        if hit_eos:
+            new_tokens = new_tokens[: next(i for i, t in enumerate(new_tokens) if t in eos) + 1]
+        sequence.extend(new_tokens)
+        generated += len(new_tokens)
+        out.proposed_per_step.append(proposed)
+        out.accepted_per_step.append(accepted)
+        out.emitted_per_step.append(len(new_tokens))
+        return hit_eos or generated >= max_new_tokens
+
+    done = False
+    if first is not None:
+        done = emit(verifier.verify(Draft([]), first[None])[1], 0, 0)
+        out.draft_rollback_paths[drafter.accept(sequence)] += 1
+    while not done:
         # Kept tokens a deferred re-feed left out of the target's cache go in front of this forward.
         # A fully accepted draft leaves the cache whole again; once PENDING_PER_DRAFT_TOKEN per draft
         # token pile up, a plain step (no draft, nothing to roll back) feeds them.
@@ -319,22 +346,19 @@ def _decode(
         budget = allowed if gate is None else gate.budget(allowed, pending)
         asked = budget or int(gate is not None and allowed > 0 and gate.shadow())  # a shadow: judged, not fed
         started = time.perf_counter()
-        proposal = Draft([])
+        proposal = NO_DRAFT
         if asked:
             proposal = check_draft(drafter.propose(sequence, asked, verifier.pick), asked, runner.vocab_size)
         drafted = time.perf_counter()
         fed = proposal.tokens if budget else []
-        logits = runner.feed(sequence[len(runner.tokens) :] + fed, rollback=bool(fed))[pending:]
-        accepted, new_tokens = verifier.verify(Draft(fed, proposal.probs if budget else None), logits)
+        logits = runner.feed(sequence[len(runner.tokens) :] + fed, rollback=bool(fed))
+        if pending:
+            logits = logits[pending:]
+        accepted, new_tokens = verifier.verify(proposal if budget else NO_DRAFT, logits)
         if not budget and proposal.tokens:  # the shadow proposal, judged against the target's token
             accepted = int(proposal.tokens[0] == new_tokens[0])
         schedule.update(len(fed), accepted)
-        new_tokens = new_tokens[: max_new_tokens - generated]
-        hit_eos = next((i for i, t in enumerate(new_tokens) if t in eos), None)
-        if hit_eos is not None:
-            new_tokens = new_tokens[: hit_eos + 1]
-        sequence.extend(new_tokens)
-        generated += len(new_tokens)
+        done = emit(new_tokens, len(fed), accepted if budget else 0)
         path = runner.truncate(len(sequence) - 1, defer_refeed=True)
         out.target_rollback_paths[path] += 1
         verified = time.perf_counter()
@@ -343,11 +367,6 @@ def _decode(
             draft_seconds = drafted - started + time.perf_counter() - verified
             gate.record(pending + 1 + len(fed), verified - drafted, len(proposal.tokens), accepted, draft_seconds,
                         refed=path == REFEED, shadow=not budget)  # fmt: skip
-        out.proposed_per_step.append(len(fed))
-        out.accepted_per_step.append(accepted if budget else 0)
-        out.emitted_per_step.append(len(new_tokens))
-        if hit_eos is not None:
-            break
     if len(runner.tokens) < len(sequence) - 1:  # the returned cache holds every token but the last
         runner.feed(sequence[len(runner.tokens) : -1], rollback=False)
         runner.truncate(len(sequence) - 1)

@@ -46,18 +46,18 @@ class ModelRunner:
         self.tokens: list[int] = []
         self.forwards = 0  # model calls, re-feeds included
         self.refeeds = 0  # model calls spent on the re-feed fallback
-        self._model_kwargs = dict(model_kwargs or {})
         self._step_sizes: list[int] = []  # sizes of the forwards since the commit point
         self._committed_length = 0  # tokens held at the commit point
         self._recording = False  # whether the cache records (set by `start_recording`, `feed`)
         self._positions = torch.arange(0, device=device)[None]
-        self._encoder_kwargs: dict[str, Any] = {}
+        self._ids = torch.arange(self.vocab_size, device=device).view(-1, 1, 1)  # [[id]] for every id
+        self._kwargs = dict(model_kwargs or {})  # what every forward passes on
         if self.is_encoder_decoder:
             if encoder_input_ids is None:
                 raise GenerationError(f"{type(model).__name__} is an encoder-decoder model: it needs encoder input ids")
             with torch.no_grad():
                 hidden = model.encode(encoder_input_ids, encoder_attention_mask)
-            self._encoder_kwargs = {"encoder_hidden_states": hidden, "encoder_attention_mask": encoder_attention_mask}
+            self._kwargs.update(encoder_hidden_states=hidden, encoder_attention_mask=encoder_attention_mask)
 
     @property
     def vocab_size(self) -> int:
@@ -69,9 +69,10 @@ class ModelRunner:
         return self._committed_length
 
     def feed(self, tokens: Sequence[int], *, rollback: bool = True) -> torch.Tensor:
-        """Run the model on `tokens` (appended to its cache); return their logits `[len(tokens), vocab]`.
-        `rollback=False`: nothing of this forward will be cropped (a plain step), so the cache does
-        not record it (no snapshots, no history): it is committed at once."""
+        """Run the model on `tokens` (ints, appended to its cache); return their logits
+        `[len(tokens), vocab]`. `rollback=False`: nothing of this forward will be cropped (a plain
+        step), so the cache does not record it (no snapshots, no history): it is committed at once.
+        A decoding step runs it once per token, so it does no work a step can skip."""
         if rollback != self._recording:
             if rollback:
                 self.start_recording()
@@ -81,18 +82,19 @@ class ModelRunner:
                 self._step_sizes.clear()
         n = len(tokens)
         start = len(self.tokens)
-        input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
+        if n == 1 and 0 <= tokens[0] < self._ids.shape[0]:  # a view: no new tensor, no copy to a device
+            input_ids = self._ids[tokens[0]]
+        else:
+            input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
         if start + n > self._positions.shape[1]:  # position ids are views of one range, grown by doubling
             self._positions = torch.arange(2 * (start + n), device=self.device)[None]
         position_ids = self._positions[:, start : start + n]
         with torch.no_grad():
-            logits = self.model(
-                input_ids, cache=self.cache, position_ids=position_ids, **self._encoder_kwargs, **self._model_kwargs
-            )
-        if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or tuple(logits.shape[:2]) != (1, n):
+            logits = self.model(input_ids, cache=self.cache, position_ids=position_ids, **self._kwargs)
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[:2] != (1, n):
             shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
             raise GenerationError(f"{type(self.model).__name__} returned logits {shape}, expected [1, {n}, vocab]")
-        self.tokens.extend(int(t) for t in tokens)
+        self.tokens.extend(tokens)
         if rollback:
             self._step_sizes.append(n)
         else:
@@ -100,9 +102,11 @@ class ModelRunner:
         self.forwards += 1
         return logits[0]
 
-    def prefill(self, prompt: Sequence[int]) -> None:
+    def prefill(self, prompt: Sequence[int], *, whole: bool = False) -> torch.Tensor | None:
         """Feed `prompt` but its last token, past what the cache already holds (a cache handed in
-        holds a prefix of it), then make that the commit point and start recording."""
+        holds a prefix of it), then make that the commit point and start recording. `whole=True`:
+        feed the last token too and return its logits `[vocab]` (the first decoding step's), and
+        leave recording to the first forward that may be cropped."""
         held = getattr(self.cache, "self_attention_cache", self.cache).get_seq_length()
         if held >= len(prompt):
             raise GenerationError(
@@ -110,10 +114,15 @@ class ModelRunner:
                 "sequence so far; the cache's tokens are skipped"
             )
         self.tokens = [int(t) for t in prompt[:held]]
-        if held < len(prompt) - 1:
+        last = None
+        if whole:
+            last = self.feed(prompt[held:], rollback=False)[-1]
+        elif held < len(prompt) - 1:
             self.feed(prompt[held:-1], rollback=False)  # not recorded: the prompt costs no rollback memory
-        self.start_recording()
+        if not whole:
+            self.start_recording()
         self.forwards = 0  # count decoding forwards only
+        return last
 
     def start_recording(self) -> None:
         """Make the current content the commit point and record what rollback needs from now on."""
