@@ -16,20 +16,23 @@ from kvcache.generation.draft_schedule import DraftGate, ForwardCost
 
 
 def drive(gate: DraftGate, steps: int, per_token: float, rate: float, seed: int = 0,
-          draft_cost: float = 0.0, refeeds: bool = False) -> list[int]:  # fmt: skip
-    """`steps` steps of a target whose forward of n tokens costs `1 + per_token * (n - 1)` seconds
+          draft_cost: float = 0.0, refeeds: bool = False, forward: Callable[[int], float] | None = None,
+          slowdown: Callable[[int], float] = lambda step: 1.0) -> list[int]:  # fmt: skip
+    """`steps` steps of a target whose forward with k draft tokens costs `forward(k)` seconds
+    (default `1 + per_token * k`), times `slowdown(i)` at step i (a machine whose speed drifts),
     and a drafter right with probability `rate` per token (`draft_cost` seconds per proposed
     token); returns the draft length chosen at each step."""
+    forward = forward or (lambda k: 1 + per_token * k)
     coins = random.Random(seed)
     chosen = []
-    for _ in range(steps):
+    for step in range(steps):
         k = gate.budget(4)
         chosen.append(k)
         asked = k or int(gate.shadow())
         accepted = 0
         while accepted < asked and coins.random() < rate:
             accepted += 1
-        gate.record(1 + k, 1 + per_token * k, asked, accepted, draft_cost * asked,
+        gate.record(1 + k, slowdown(step) * forward(k), asked, accepted, draft_cost * asked,
                     refed=refeeds and k > 0 and accepted < k, shadow=not k)  # fmt: skip
     return chosen
 
@@ -111,18 +114,9 @@ def test_forward_cost_estimates() -> None:
 
 
 def _drive_drifting(rate: float, slowdown: Callable[[int], float], steps: int) -> list[int]:
-    """`steps` steps where a draft of k tokens costs 1.4x a plain step for any k, on a machine whose
-    speed at step i is `slowdown(i)` times slower; drafts right with probability `rate`."""
-    gate, coins, chosen = DraftGate(4), random.Random(3), []
-    for step in range(steps):
-        k = gate.budget(4)
-        chosen.append(k)
-        asked = k or int(gate.shadow())
-        accepted = 0
-        while accepted < asked and coins.random() < rate:
-            accepted += 1
-        gate.record(1 + k, slowdown(step) * (1.4 if k else 1.0), asked, accepted, 0.0, shadow=not k)
-    return chosen
+    """`drive` where a draft of any length costs 1.4x a plain step (as a tiny model's forward jumps
+    from one token to two, then stays flat), on a machine whose speed drifts by `slowdown`."""
+    return drive(DraftGate(4), steps, 0.0, rate, seed=3, forward=lambda k: 1.4 if k else 1.0, slowdown=slowdown)
 
 
 def test_a_slow_spell_while_drafting_is_blamed_on_the_machine() -> None:
