@@ -94,23 +94,63 @@ def test_an_expensive_drafter_is_shadowed_rarely() -> None:
 def test_forward_cost_estimates() -> None:
     cost = ForwardCost()
     assert cost(3) is None
-    cost.add(1, 2.0)
-    assert cost(1) == cost(5) == 2.0  # one length measured: the same for all (optimistic)
+    cost.add(1, 3.0)  # a run's first plain step: a warm-up
+    cost.add(4, 3.0)
+    assert cost.ratio(4) == 1.0 and not cost.anchored  # nothing settled to compare with: optimistic
+    cost.add(1, 2.0)  # right after a drafting forward: not settled either
+    assert cost.leaving and not cost.anchored
+    cost.add(1, 2.0)  # after a plain step: settled
+    assert cost.anchored and not cost.leaving and cost.ratio(5) == 1.0
     cost.add(5, 4.0)
-    assert cost(3) == pytest.approx(3.0) and cost(9) == pytest.approx(6.0)  # between, beyond
+    assert cost.ratio(5) == 2.0 and cost.ratio(3) == 1.5 and cost.ratio(9) == 3.0  # between, beyond
+    cost.add(1, 2.4)  # leaving drafting cost a fifth of a plain step more: charged to that forward
+    assert cost.leaving and cost.ratio(5) == pytest.approx(2.2)
+    cost.add(1, 2.0)
     cost.add(3, 5.0)
-    assert cost(2) == pytest.approx(3.5) and cost(4) == pytest.approx(4.5)  # the nearest on each side
+    # the nearest on each side
+    assert cost.ratio(3) == 2.5 and cost.ratio(2) == 1.75 and cost.ratio(4) == pytest.approx(2.35)
     for _ in range(3):
         cost.add(1, 1.0)
-    # the machine got faster: every forward so far read as a plain step of 2.0 s, and now three of
-    # 1.0 s, so a plain step is 1.5 s (the median) and a 5-token forward keeps its ratio 2.0: it
-    # is estimated at 3.0 s, not compared in its old seconds (4.0) with fresh ones
-    assert cost(1) == pytest.approx(1.5) and cost(5) == pytest.approx(3.0) and cost(3) == pytest.approx(3.75)
-    cost.add(5, 2.25)  # measured against the speed of its moment: ratio 1.5
-    assert cost(5) / cost(1) == pytest.approx(1.75)  # the median of the ratios 2.0 and 1.5
+    # the machine got faster: a forward is read against the settled plain steps of its moment
+    cost.add(5, 2.25)
+    assert cost.ratio(5) == pytest.approx((2.2 + 2.25) / 2)
+    cost.add(3, 0.5)  # never below a plain step's ratio: more tokens do not cost less
+    assert cost.ratio(3) == pytest.approx((2.5 + 1.0) / 2)
+    # every forward read as a plain step at its length's ratio: the machine's speed now, 1.0 s
+    # (the median of the last 7 readings 2.0, 2.0, 1.0, 1.0, 1.0, 1.01, 0.29)
+    assert cost(1) == pytest.approx(1.0) and cost(5) == pytest.approx(2.225)
     for _ in range(20):
         cost.add(1, 1.0)
     assert cost(1) == pytest.approx(1.0) and cost(5) == 1.0  # ratios not measured again are forgotten
+
+
+def test_a_ratio_is_measured_against_plain_steps_not_against_itself() -> None:
+    """A slow spell ends just as drafting starts: a two-token forward (truly 1.3x a plain step)
+    first reads as cheap against a speed the slow plain steps set. Measured against a speed that
+    drafting forwards also report (through the very ratio being measured), that low ratio would
+    confirm itself for good (seen: 0.8x all run long, drafting at 3% acceptance); measured against
+    plain steps only, it comes right once a few fast plain steps are in."""
+    cost = ForwardCost()
+    for _ in range(ForwardCost.RECENT):
+        cost.add(1, 2.0)  # the slow spell
+    for step in range(120):  # then, as the gate re-anchors: two plain steps of 1.0 s, eight drafting
+        cost.add(*((1, 1.0) if step % 10 < 2 else (2, 1.3)))  # forwards of 1.3 s, and so on
+    assert cost.ratio(2) == pytest.approx(1.3)
+    assert cost(1) == pytest.approx(1.0)
+
+
+def test_a_close_call_is_anchored_by_two_plain_steps() -> None:
+    """Drafts that barely pay in the estimate (a close call): every `QUIET` drafting forwards the
+    gate takes two plain steps, the first paying for leaving drafting, the second a settled one
+    that the ratios are read against; a clear win drafts on."""
+    close = drive(DraftGate(4), 120, 0.0, 0.45, seed=5, forward=lambda k: 1.25 if k else 1.0)
+    late = close[60:]  # once the acceptance estimate has settled near 45%
+    assert sum(k > 0 for k in late) >= 0.6 * len(late)
+    runs = [(plain, len(list(group))) for plain, group in itertools.groupby(late, key=lambda k: k == 0)]
+    plain_runs = [length for plain, length in runs[1:-1] if plain]  # whole runs: not cut by the slice
+    assert plain_runs and min(plain_runs) >= 2
+    clear = drive(DraftGate(4), 120, 0.0, 0.9, seed=5, forward=lambda k: 1.25 if k else 1.0)
+    assert sum(k == 0 for k in clear[20:]) <= 2
 
 
 def _drive_drifting(rate: float, slowdown: Callable[[int], float], steps: int) -> list[int]:

@@ -22,6 +22,7 @@ from kvcache.generation import (
     generate,
     speculative_generate,
 )
+from kvcache.generation.speculative_runner import POSITION_BLOCK, ModelRunner
 from kvcache.layers.recurrent import RecurrentLayer
 from kvcache.models.decoder import DecoderConfig, DecoderLM
 from kvcache.models.encoder_decoder import EncoderDecoderConfig, EncoderDecoderLM
@@ -593,3 +594,44 @@ def test_speculative_decoding_continues_given_caches_exactly(kind: str, tmp_path
         speculative_generate(target, ModelDrafter(draft), prompt[:, :3], max_new_tokens=2, cache=first.cache)
     with pytest.raises(GenerationError, match="draft model"):
         speculative_generate(target, PromptLookupDrafter(), prompt, max_new_tokens=2, draft_cache=first.draft_cache)
+
+
+def test_one_token_forwards_see_the_ids_and_positions_of_their_tokens(targets):
+    """One-token forwards take their ids and position ids from views made once (positions in blocks
+    of `POSITION_BLOCK` from the first one-token forward): across a block's end, after a rollback
+    behind a block's start and for ids not fed before, the model must see the ids and positions of
+    the tokens fed, and so compute what one forward of the whole sequence computes (up to the
+    round-off of one-token forwards against a long one)."""
+    target = targets["full"]
+    seen: list[tuple[list[int], list[int]]] = []
+
+    class Recorder:
+        vocab_size, new_cache = target.vocab_size, target.new_cache
+
+        def __call__(self, input_ids, *, position_ids, **kwargs):
+            seen.append((input_ids[0].tolist(), position_ids[0].tolist()))
+            return target(input_ids, position_ids=position_ids, **kwargs)
+
+    runner = ModelRunner(Recorder(), device=torch.device("cpu"))
+    tokens = [(7 * i + 3) % VOCAB for i in range(POSITION_BLOCK + 30)]
+    runner.prefill(tokens[:5], whole=True)  # the first one-token forward is at position 5
+    fed, logits, positions_fed, rollbacks = 5, [], [], [POSITION_BLOCK + 18, POSITION_BLOCK + 8]
+    near = range(POSITION_BLOCK - 10, POSITION_BLOCK + 30)  # the block's end (261): recorded steps only
+    with torch.no_grad():
+        while fed < len(tokens):
+            positions_fed.append(fed)
+            plain = fed % 10 == 0 and fed not in near  # a plain step commits at once
+            logits.append(runner.feed(tokens[fed : fed + 1], rollback=not plain)[0])
+            fed += 1
+            if rollbacks and fed == rollbacks[-1]:  # back behind the block's start, then not
+                rollbacks.pop()
+                runner.truncate(fed - 6)
+                del logits[-6:]
+                fed -= 6
+            elif fed % 10 == 0 and fed not in near:
+                runner.truncate(fed)  # commit
+        whole = target(torch.tensor([tokens]), cache=target.new_cache())[0, 5:]
+    assert runner.tokens == tokens
+    assert [positions for _, positions in seen[1:]] == [[at] for at in positions_fed]
+    assert [ids for ids, _ in seen[1:]] == [[tokens[at]] for at in positions_fed]
+    torch.testing.assert_close(torch.stack(logits), whole, rtol=1e-5, atol=1e-5)

@@ -20,6 +20,8 @@ from ..errors import GenerationError, RollbackError
 
 #: `ModelRunner.truncate` results: nothing to drop, dropped by one exact crop, or by crop + re-feed.
 NO_ROLLBACK, CROP, REFEED = "none", "crop", "refeed"
+#: One-token forwards take their position ids from views made this many at a time.
+POSITION_BLOCK = 256
 
 
 class ModelRunner:
@@ -41,6 +43,7 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.device = device
+        self.vocab_size = int(model.vocab_size)
         self.is_encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
         self.cache = model.new_cache() if cache is None else cache
         self.tokens: list[int] = []
@@ -51,6 +54,10 @@ class ModelRunner:
         self._recording = False  # whether the cache records (set by `start_recording`, `feed`)
         self._positions = torch.arange(0, device=device)[None]
         self._ids = torch.arange(self.vocab_size, device=device).view(-1, 1, 1)  # [[id]] for every id
+        # one-token inputs, made once: a decoding step then indexes no tensor to build its inputs
+        self._id_views: dict[int, torch.Tensor] = {}  # id -> its [[id]], for the ids fed so far
+        self._position_views: tuple[torch.Tensor, ...] = ()  # [[p]] for the `POSITION_BLOCK` from
+        self._position_base = 0  # this position on
         self._kwargs = dict(model_kwargs or {})  # what every forward passes on
         if self.is_encoder_decoder:
             if encoder_input_ids is None:
@@ -58,10 +65,6 @@ class ModelRunner:
             with torch.no_grad():
                 hidden = model.encode(encoder_input_ids, encoder_attention_mask)
             self._kwargs.update(encoder_hidden_states=hidden, encoder_attention_mask=encoder_attention_mask)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.model.vocab_size)
 
     @property
     def committed_length(self) -> int:
@@ -82,14 +85,15 @@ class ModelRunner:
                 self._step_sizes.clear()
         n = len(tokens)
         start = len(self.tokens)
-        if n == 1 and 0 <= tokens[0] < self._ids.shape[0]:  # a view: no new tensor, no copy to a device
-            input_ids = self._ids[tokens[0]]
+        if n == 1:  # views made once: no new tensor, no copy to a device
+            input_ids, position_ids = self._one_id(tokens[0]), self._one_position(start)
         else:
             input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
-        if start + n > self._positions.shape[1]:  # position ids are views of one range, grown by doubling
-            self._positions = torch.arange(2 * (start + n), device=self.device)[None]
-        position_ids = self._positions[:, start : start + n]
-        with torch.no_grad():
+            position_ids = self._position_range(start, n)
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                logits = self.model(input_ids, cache=self.cache, position_ids=position_ids, **self._kwargs)
+        else:  # the caller's no-grad scope (the decoding loop's): entering another costs a step time
             logits = self.model(input_ids, cache=self.cache, position_ids=position_ids, **self._kwargs)
         if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[:2] != (1, n):
             shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
@@ -101,6 +105,27 @@ class ModelRunner:
             self._committed_length = len(self.tokens)
         self.forwards += 1
         return logits[0]
+
+    def _one_id(self, token: int) -> torch.Tensor:
+        view = self._id_views.get(token)
+        if view is None:
+            if not 0 <= token < self._ids.shape[0]:  # out of range: the model says what is wrong
+                return torch.tensor([[token]], dtype=torch.long, device=self.device)
+            view = self._id_views[token] = self._ids[token]
+        return view
+
+    def _position_range(self, start: int, n: int) -> torch.Tensor:
+        """Position ids `[1, n]` from `start`: views of one range, grown by doubling."""
+        if start + n > self._positions.shape[1]:
+            self._positions = torch.arange(2 * (start + n), device=self.device)[None]
+        return self._positions[:, start : start + n]
+
+    def _one_position(self, start: int) -> torch.Tensor:
+        at = start - self._position_base
+        if not 0 <= at < len(self._position_views):  # a new block of views, made in one call
+            self._position_base, at = start, 0
+            self._position_views = self._position_range(start, POSITION_BLOCK).view(-1, 1, 1).unbind(0)
+        return self._position_views[at]
 
     def prefill(self, prompt: Sequence[int], *, whole: bool = False) -> torch.Tensor | None:
         """Feed `prompt` but its last token, past what the cache already holds (a cache handed in
