@@ -93,7 +93,7 @@ class ModelRunner:
         if torch.is_grad_enabled():
             with torch.no_grad():
                 logits = self.model(input_ids, cache=self.cache, position_ids=position_ids, **self._kwargs)
-        else:  # the caller's no-grad scope (the decoding loop's): entering another costs a step time
+        else:  # inside the caller's no-grad scope (the decoding loop's): entering another per step costs
             logits = self.model(input_ids, cache=self.cache, position_ids=position_ids, **self._kwargs)
         if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[:2] != (1, n):
             shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
@@ -107,6 +107,7 @@ class ModelRunner:
         return logits[0]
 
     def _one_id(self, token: int) -> torch.Tensor:
+        """Input ids `[[token]]`: a view kept for the next time this id is fed."""
         view = self._id_views.get(token)
         if view is None:
             if not 0 <= token < self._ids.shape[0]:  # out of range: the model says what is wrong
@@ -121,6 +122,8 @@ class ModelRunner:
         return self._positions[:, start : start + n]
 
     def _one_position(self, start: int) -> torch.Tensor:
+        """Position ids `[[start]]`: one of a block of views made together, so a decoding step
+        slices no tensor (a rollback behind the block's start makes a new block)."""
         at = start - self._position_base
         if not 0 <= at < len(self._position_views):  # a new block of views, made in one call
             self._position_base, at = start, 0
