@@ -61,6 +61,7 @@ class ForwardCost:
         self._left = False  # whether the last forward was a plain step that is not settled
         self._speed: deque[float] = deque(maxlen=self.RECENT)  # the last readings of a plain step's seconds
         self._settled: deque[float] = deque(maxlen=self.SETTLED)  # the last settled plain steps' seconds
+        self._unsettled: deque[float] = deque(maxlen=self.SETTLED)  # the others': until a settled one is in
         self.speed: float | None = None  # their median
         self._ratios: dict[int, deque[float]] = {}  # tokens fed -> its last ratios to a plain step
         self._ratio: dict[int, float] = {1: 1.0}  # tokens fed -> its ratio
@@ -77,17 +78,19 @@ class ForwardCost:
             self._since_plain = 0
             if previous == 1:
                 self._settled.append(seconds)
-            elif sampled:  # leaving drafting cost this much more: charged to the forward before
-                samples = self._ratios[previous]
-                samples[-1] += max(seconds / _median(self._settled) - 1.0, 0.0)
-                self._ratio[previous] = _median(samples)
+            else:
+                self._unsettled.append(seconds)
+                if sampled and self._settled:  # leaving drafting cost this much more: charged to the forward before
+                    samples = self._ratios[previous]
+                    samples[-1] += max(seconds / _median(self._settled) - 1.0, 0.0)
+                    self._ratio[previous] = _median(samples)
         else:
             self._since_plain += 1
         if self._since_plain <= self.ANCHOR and self.speed:
             self.clock += 1
-            if tokens != 1 and self._settled:
+            if tokens != 1:
                 samples = self._ratios.setdefault(tokens, deque(maxlen=self.RECENT))
-                samples.append(max(seconds / _median(self._settled), 1.0))
+                samples.append(max(seconds / _median(self._settled or self._unsettled), 1.0))
                 self._ratio[tokens] = _median(samples)
                 self._counts, self._sampled_at = sorted(self._ratio), self.clock
                 self._sampled = True
