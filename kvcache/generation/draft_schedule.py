@@ -39,7 +39,8 @@ class ForwardCost:
     below a plain step's 1: more tokens never cost less). A settled plain step is one that follows
     another: the first of a run is a warm-up, and one right after drafting also pays for leaving it
     (measured on the benchmark's targets: 1.1x-1.3x and 1.1x-1.2x a settled one), so its excess is
-    charged to the drafting forward before it. Measured against a speed that drafting forwards
+    charged to the drafting forward before it; until a settled one is in, the others serve (a
+    reference too slow, but far better than none). Measured against a speed that drafting forwards
     had a say in, an underestimated ratio would confirm itself: it inflates the speed those
     forwards report, which makes the next sample as low (seen: two-token forwards priced at 0.8 of
     one-token ones for a whole run, drafting at 3% acceptance). The gate re-anchors a close call
