@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from kvcache.generation.draft_schedule import DraftGate, ForwardCost
+from kvcache.generation.draft_schedule import DraftAudit, DraftGate, ForwardCost
 
 
 def drive(gate: DraftGate, steps: int, per_token: float, rate: float, seed: int = 0,
@@ -37,9 +37,20 @@ def drive(gate: DraftGate, steps: int, per_token: float, rate: float, seed: int 
     return chosen
 
 
-def test_poor_drafts_are_turned_off_after_a_few_steps() -> None:
+def test_poor_drafts_are_not_tried_when_the_first_shadows_are_wrong() -> None:
+    """The acceptance prior weighs half a judged token: a wrong first shadow proposal puts it
+    below what a one-token draft must earn even at a plain step's price, so drafts that are
+    nearly never right cost nothing but the shadows (and a probe, should a shadow be lucky)."""
     chosen = drive(DraftGate(4), 300, per_token=0.5, rate=0.03)
-    assert chosen[0] == 0  # a plain step first: nothing to compare against yet
+    drafting = [i for i, k in enumerate(chosen) if k]
+    assert chosen[0] == 0 and len(drafting) <= 3
+    assert all(b - a > ForwardCost.QUIET for a, b in itertools.pairwise(drafting))
+
+
+def test_poor_drafts_after_a_lucky_start_are_turned_off_after_a_few_steps() -> None:
+    gate = DraftGate(4)
+    assert drive(gate, 2, per_token=0.5, rate=1.0) == [0, 1]  # a right first shadow: drafting starts
+    chosen = drive(gate, 300, per_token=0.5, rate=0.03)
     drafting = [i for i, k in enumerate(chosen) if k]
     # a short exploration, then a probe now and then: never two within `QUIET` steps
     assert drafting and drafting[0] < 5 and len(drafting) <= 6
@@ -104,17 +115,18 @@ def test_forward_cost_estimates() -> None:
     assert cost.leaving and cost.ratio(5) == pytest.approx(2.2)
     cost.add(1, 2.0)
     cost.add(3, 5.0)
-    # the nearest on each side
-    assert cost.ratio(3) == 2.5 and cost.ratio(2) == 1.75 and cost.ratio(4) == pytest.approx(2.35)
+    # the nearest on each side; a longer forward measured cheaper than a shorter one (5 tokens at
+    # 2.2, 3 at 2.5) is priced as the shorter one: more tokens never cost less
+    assert cost.ratio(3) == 2.5 and cost.ratio(2) == 1.75 and cost.ratio(4) == cost.ratio(5) == 2.5
     for _ in range(3):
         cost.add(1, 1.0)
     # the machine got faster: a forward is read against the settled plain steps of its moment
-    cost.add(5, 2.25)
-    assert cost.ratio(5) == pytest.approx((2.2 + 2.25) / 2)
+    cost.add(5, 2.25)  # measured at (2.2 + 2.25) / 2, still priced as 3 tokens' 2.5
+    assert cost.ratio(5) == 2.5
     cost.add(3, 0.5)  # never below a plain step's ratio: more tokens do not cost less
-    assert cost.ratio(3) == pytest.approx((2.5 + 1.0) / 2)
+    assert cost.ratio(3) == pytest.approx((2.5 + 1.0) / 2) and cost.ratio(5) == pytest.approx((2.2 + 2.25) / 2)
     # every forward read as a plain step at its length's ratio: the machine's speed now, 1.0 s
-    # (the median of the last 7 readings 2.0, 2.0, 1.0, 1.0, 1.0, 1.01, 0.29)
+    # (the median of the last 7 readings 2.0, 2.0, 1.0, 1.0, 1.0, 0.9, 0.29)
     assert cost(1) == pytest.approx(1.0) and cost(5) == pytest.approx(2.225)
     for _ in range(20):
         cost.add(1, 1.0)
@@ -192,3 +204,73 @@ def test_drafts_measured_as_dear_are_tried_again_now_and_then() -> None:
     drafting = [i for i, k in enumerate(chosen) if k and i >= 10]
     gaps = [b - a for a, b in itertools.pairwise(drafting)]
     assert len(drafting) <= 12 and all(gap > ForwardCost.STALE for gap in gaps[3:])
+
+
+def _stretch(audit: DraftAudit, drafting: list[tuple[int, float]], leaving: float, after: float,
+             before: float | None = 1.0) -> None:  # fmt: skip
+    """Drafting steps `(tokens emitted, seconds)` after settled plain steps of `before` seconds,
+    the plain step that leaves drafting (`leaving` seconds), then a settled one (`after`)."""
+    for emitted, seconds in drafting:
+        audit.add(False, False, emitted, seconds, before)
+    audit.add(True, False, 1, leaving, before)
+    audit.add(True, True, 1, after, before)
+
+
+def test_drafting_that_lost_in_seconds_is_paused_longer_each_time() -> None:
+    """Eight drafting steps of 1.3 s that emit one token each (every draft rejected), priced at
+    plain steps of 1.0 s: a loss, so drafting pauses for `PAUSE` steps, then twice as long after a
+    second loss in a row; a win resets the pause."""
+    audit = DraftAudit()
+    _stretch(audit, [(1, 1.3)] * 8, leaving=1.2, after=1.0)
+    assert audit.losses == 1 and audit.paused and audit.paused_until == audit.steps + DraftAudit.PAUSE
+    for _ in range(DraftAudit.PAUSE):
+        audit.add(True, True, 1, 1.0, 1.0)
+    assert not audit.paused
+    _stretch(audit, [(1, 1.3)] * 8, leaving=1.2, after=1.0)
+    assert audit.losses == 2 and audit.paused_until == audit.steps + 2 * DraftAudit.PAUSE
+    audit.paused_until = audit.steps  # (as if the pause had run out)
+    _stretch(audit, [(3, 1.3)] * 8, leaving=1.2, after=1.0)  # three tokens a step: a win
+    assert audit.losses == 2 and not audit.paused
+    _stretch(audit, [(1, 1.3)] * 8, leaving=1.2, after=1.0)
+    assert audit.paused_until == audit.steps + DraftAudit.PAUSE
+
+
+def test_drafting_is_priced_at_plain_steps_on_both_sides_of_it() -> None:
+    """A machine slowing from 1.0 s to 2.0 s a plain step while drafting (each drafting step
+    costs 1.2 plain steps of its moment and emits 1.4 tokens: a win): priced at the plain step
+    before it alone, the stretch would read as a loss; priced at both sides' mean, the drift
+    cancels out and it is a win."""
+    audit = DraftAudit()
+    speeds = [1.0 + i / 7 for i in range(8)]
+    _stretch(audit, [(1.4, 1.2 * s) for s in speeds], leaving=1.1 * 2.0, after=2.0)
+    emitted, seconds = 8 * 1.4 + 1, sum(1.2 * s for s in speeds) + 2.2
+    assert emitted * 1.0 < seconds < emitted * 1.5  # a loss at the price before, a win at the mean
+    assert audit.losses == 0 and not audit.paused
+
+
+def test_only_evidence_enough_is_judged() -> None:
+    """A single probe (one rejected draft) is priced but not judged until stretches of `JUDGED`
+    steps in all are in; a stretch longer than `LONGEST` steps (a clear win the gate never
+    interrupted) is not priced at all, its plain step before being too long ago; nor is one
+    before any settled plain step."""
+    audit = DraftAudit()
+    for _probe in range(3):
+        _stretch(audit, [(1, 1.3)], leaving=1.2, after=1.0)  # two steps priced each
+        assert audit.losses == 0
+    _stretch(audit, [(1, 1.3)], leaving=1.2, after=1.0)  # eight in all: judged
+    assert audit.losses == 1
+    long = DraftAudit()
+    _stretch(long, [(1, 1.3)] * DraftAudit.LONGEST, leaving=1.2, after=1.0)
+    unanchored = DraftAudit()
+    _stretch(unanchored, [(1, 1.3)] * 8, leaving=1.2, after=1.0, before=None)
+    assert long.losses == unanchored.losses == 0 and not long.paused and not unanchored.paused
+
+
+def test_a_paused_gate_drafts_nothing_whatever_its_estimates_say() -> None:
+    gate = DraftGate(4)
+    drive(gate, 20, per_token=0.05, rate=1.0)
+    assert gate.budget(4) == 4
+    gate.audit.paused_until = gate.audit.steps + 3
+    assert gate.budget(4) == 0 and gate.shadow()  # shadows go on
+    drive(gate, 3, per_token=0.05, rate=1.0)
+    assert gate.budget(4) == 4

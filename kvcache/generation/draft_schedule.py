@@ -46,10 +46,11 @@ class ForwardCost:
     one-token ones for a whole run, drafting at 3% acceptance). The gate re-anchors a close call
     with two plain steps now and then (`DraftGate.REFRESH`). Once no ratio has been sampled for a
     while (no drafting), all are forgotten, so lengths measured as dear at a bad moment get tried
-    again: after `QUIET` anchored forwards, then twice as many each time, up to `STALE`. Lengths
-    without a ratio get one on a straight line through the nearest that have one (a plain step's
-    is 1), or, while none has one, 1: an optimistic guess, so an unmeasured length gets tried once
-    rather than never."""
+    again: after `QUIET` anchored forwards, then twice as many each time, up to `STALE`. A length
+    is priced at the most that it or any shorter length measured (more tokens never cost less, so a
+    low sample cannot make a long draft look cheaper than a short one); lengths without a ratio get
+    one on a straight line through the nearest that have one (a plain step's is 1), or, while none
+    has one, 1: an optimistic guess, so an unmeasured length gets tried once rather than never."""
 
     RECENT, ANCHOR, QUIET, STALE = 7, 4, 8, 64
     SETTLED = 3  # settled plain steps a ratio sample is read against (few: the machine drifts)
@@ -65,7 +66,8 @@ class ForwardCost:
         self._unsettled: deque[float] = deque(maxlen=self.SETTLED)  # the others': until a settled one is in
         self.speed: float | None = None  # their median
         self._ratios: dict[int, deque[float]] = {}  # tokens fed -> its last ratios to a plain step
-        self._ratio: dict[int, float] = {1: 1.0}  # tokens fed -> its ratio
+        self._ratio: dict[int, float] = {1: 1.0}  # tokens fed -> its ratio, as measured
+        self._envelope: dict[int, float] = {1: 1.0}  # tokens fed -> the most a length up to it measured
         self._counts: list[int] = [1]  # the lengths with a ratio, ascending
         self._sampled_at = 0  # the clock at the last ratio sample
         self._quiet = self.QUIET  # anchored forwards without a ratio sample before all are forgotten
@@ -84,7 +86,7 @@ class ForwardCost:
                 if sampled and self._settled:  # leaving drafting cost this much more: charged to the forward before
                     samples = self._ratios[previous]
                     samples[-1] += max(seconds / _median(self._settled) - 1.0, 0.0)
-                    self._ratio[previous] = _median(samples)
+                    self._set_ratio(previous, _median(samples))
         else:
             self._since_plain += 1
         if self._since_plain <= self.ANCHOR and self.speed:
@@ -92,17 +94,31 @@ class ForwardCost:
             if tokens != 1:
                 samples = self._ratios.setdefault(tokens, deque(maxlen=self.RECENT))
                 samples.append(max(seconds / _median(self._settled or self._unsettled), 1.0))
-                self._ratio[tokens] = _median(samples)
-                self._counts, self._sampled_at = sorted(self._ratio), self.clock
-                self._sampled = True
+                self._set_ratio(tokens, _median(samples))
+                self._sampled_at, self._sampled = self.clock, True
             elif tokens == 1 and self.clock - self._sampled_at > self._quiet and len(self._ratio) > 1:
                 self._ratios.clear()
-                self._ratio, self._counts = {1: 1.0}, [1]
+                self._ratio, self._envelope, self._counts = {1: 1.0}, {1: 1.0}, [1]
                 self.forgotten += 1
                 self._sampled_at, self._quiet = self.clock, min(2 * self._quiet, self.STALE)
         if tokens == 1 or self.speed:  # a longer forward first needs a plain step to compare with
             self._speed.append(seconds / self.ratio(tokens))
             self.speed = _median(self._speed)
+
+    def _set_ratio(self, tokens: int, ratio: float) -> None:
+        """A length's measured ratio; every length is then priced at the most that it or a shorter
+        one measured (more tokens never cost less: a low sample must not make a longer draft look
+        cheaper than a shorter one)."""
+        self._ratio[tokens] = ratio
+        self._counts = sorted(self._ratio)
+        highest = 0.0
+        for count in self._counts:
+            highest = self._envelope[count] = max(highest, self._ratio[count])
+
+    @property
+    def reference(self) -> float | None:
+        """Seconds of a settled plain step, the median of the last few (None before one)."""
+        return _median(self._settled) if self._settled else None
 
     @property
     def anchored(self) -> bool:
@@ -126,7 +142,7 @@ class ForwardCost:
 
     def ratio(self, tokens: int) -> float:
         """A forward of `tokens` tokens' cost over a plain step's."""
-        known = self._ratio.get(tokens)
+        known = self._envelope.get(tokens)
         if known is not None:
             return known
         counts = self._counts
@@ -134,8 +150,67 @@ class ForwardCost:
             return 1.0
         at = bisect.bisect(counts, tokens)  # the nearest on each side, else the two nearest on one
         lo, hi = counts[min(max(at - 1, 0), len(counts) - 2)], counts[min(max(at, 1), len(counts) - 1)]
-        low, high = self._ratio[lo], self._ratio[hi]
+        low, high = self._envelope[lo], self._envelope[hi]
         return max(low + (high - low) / (hi - lo) * (tokens - lo), 1.0)
+
+
+class DraftAudit:
+    """Whether drafting paid, in the run's own seconds, as a check on the estimates that chose it.
+
+    A stretch of drafting (with the plain step that leaves it, which costs more than a settled one)
+    that ends in a settled plain step, as the gate ends its close calls, is priced: the tokens its
+    steps emitted at a plain step's seconds measured on both sides of it (so the machine's drift in
+    between cancels out), less the seconds its steps and proposals took. Once stretches of `JUDGED`
+    steps in all are priced (a single probe is no evidence), their sum is judged: a loss pauses
+    drafting for `PAUSE` steps, twice as long after each loss in a row (at most `LONGEST_PAUSE`),
+    and a gain resets that. So an acceptance a lucky start inflated, or a cost ratio read at a bad
+    moment, is overruled by what drafting earned; shadow proposals go on meanwhile. A stretch longer
+    than `LONGEST` steps (a clear win, never interrupted) is not priced: the plain step before it is
+    too long ago to compare with."""
+
+    PAUSE, LONGEST_PAUSE, JUDGED, LONGEST = 16, 256, ForwardCost.QUIET, 2 * ForwardCost.QUIET
+
+    def __init__(self) -> None:
+        self.steps = 0  # steps recorded
+        self.paused_until = 0  # the step drafting may resume at
+        self.losses = 0  # judgements of a loss
+        self._pause = self.PAUSE
+        self._length = 0  # steps of the current stretch (0: none)
+        self._emitted = self._seconds = 0.0  # its tokens and seconds
+        self._before: float | None = None  # a settled plain step's seconds when it began
+        self._priced = 0  # steps of the stretches priced since the last judgement
+        self._gain = 0.0  # and the seconds they saved
+
+    @property
+    def paused(self) -> bool:
+        return self.steps < self.paused_until
+
+    def add(self, plain: bool, settled: bool, emitted: float, seconds: float, reference: float | None) -> None:
+        """A step: `plain` (one token fed, no draft), `settled` (a plain step after a plain one),
+        the tokens it emitted and its seconds (the drafter's included); `reference`: a settled
+        plain step's seconds as measured before it."""
+        self.steps += 1
+        if not plain or (self._length and not settled):  # drafting, or leaving it
+            if not self._length:
+                self._before = reference
+            self._length += 1
+            self._emitted += emitted
+            self._seconds += seconds
+            return
+        if not self._length:
+            return
+        if self._before is not None and self._length <= self.LONGEST:
+            self._gain += self._emitted * (self._before + seconds) / 2 - self._seconds
+            self._priced += self._length
+        self._length, self._emitted, self._seconds = 0, 0.0, 0.0
+        if self._priced >= self.JUDGED:
+            if self._gain < 0:
+                self.losses += 1
+                self.paused_until = self.steps + self._pause
+                self._pause = min(2 * self._pause, self.LONGEST_PAUSE)
+            else:
+                self._pause = self.PAUSE
+            self._priced, self._gain = 0, 0.0
 
 
 class DraftGate:
@@ -151,13 +226,17 @@ class DraftGate:
     or none when no k beats a plain step. While not drafting, a drafter cheap enough is asked for
     a one-token "shadow" proposal before each plain step (every few steps otherwise) and judged
     against the token the target then emits, so the acceptance stays current without a verify
-    forward; a shift in it (text that starts repeating) turns drafting back on. The decisions depend
-    on timing, so they differ between runs; greedy output does not depend on them.
+    forward; a shift in it (text that starts repeating) turns drafting back on. What drafting
+    earned in seconds is audited against plain steps on both sides of it (`DraftAudit`): where the
+    estimates chose drafts that lost, drafting pauses. The decisions depend on timing, so they
+    differ between runs; greedy output does not depend on them.
     """
 
     #: Decay of the acceptance counts per judged token (a long memory: one unlucky draft is not
-    #: evidence), and the prior they start from (half a token accepted of one judged).
-    ACCEPT_DECAY, PRIOR = 0.97, 0.5
+    #: evidence), and the prior they start from: an acceptance of 40% weighing half a judged token,
+    #: so the first shadow proposal decides whether the first draft is tried (right: 80%, drafts
+    #: start at once; wrong: 13%, below what one draft token must earn even at a plain step's price).
+    ACCEPT_DECAY, PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.97, 0.4, 0.5
     #: Shadow proposals may cost at most this fraction of a plain step's time, amortized.
     SHADOW_BUDGET = 0.02
     #: A draft must beat a plain step by this factor. The estimates come from a few samples of a
@@ -173,7 +252,7 @@ class DraftGate:
     def __init__(self, maximum: int) -> None:
         self.maximum = maximum
         self.cost = ForwardCost()
-        self.accepted, self.judged = self.PRIOR, 2 * self.PRIOR
+        self.accepted, self.judged = self.PRIOR_ACCEPTANCE * self.PRIOR_WEIGHT, self.PRIOR_WEIGHT
         self.draft_seconds = 0.0  # decayed seconds and tokens of the drafter's proposals
         self.draft_tokens = 0.0
         self.refeeds = False  # the target re-feeds accepted tokens after a rejection
@@ -183,6 +262,7 @@ class DraftGate:
         # in a few steps.
         self.ramp = 1
         self._forgotten = 0  # the cost model's count of forgotten prices, as last seen
+        self.audit = DraftAudit()
 
     @property
     def acceptance(self) -> float:
@@ -196,13 +276,15 @@ class DraftGate:
         in front of it anyway: 0 until a plain step has been measured."""
         if self.cost.forgotten != self._forgotten:  # prices forgotten: probe from one token again
             self._forgotten, self.ramp = self.cost.forgotten, 1
-        allowed = min(allowed, self.ramp)
-        if allowed <= 0:
+        allowed = 0 if self.audit.paused else min(allowed, self.ramp)
+        a = min(self.acceptance, 0.999)
+        # no draft of any length emits MARGIN tokens per plain step's price, which every longer
+        # forward costs at least: the common case where drafts do not pay, decided without pricing
+        if allowed <= 0 or 1.0 / (1.0 - a) <= self.MARGIN:
             return 0
         plain = self.cost(1 + pending)
         if plain is None:
             return 0
-        a = min(self.acceptance, 0.999)
         slope = self._slope() if self.refeeds else 0.0
         drafter = self._drafter_cost()
         best, best_rate = 0, self.MARGIN / max(plain, 1e-9)
@@ -248,6 +330,9 @@ class DraftGate:
         `accepted` were right, and what proposing cost (`shadow`: judged, not fed); `refed`: the
         target re-fed accepted tokens (it cannot crop inside a forward)."""
         self.cost.add(fed, forward_seconds)
+        drafted = bool(proposed) and not shadow
+        self.audit.add(fed == 1, fed == 1 and not self.cost.leaving, 1 + accepted * drafted,
+                       forward_seconds + draft_seconds * drafted, self.cost.reference)  # fmt: skip
         if proposed and not shadow and accepted == proposed:
             self.ramp = min(self.maximum, self.ramp + 2)
         if proposed:
