@@ -252,7 +252,7 @@ def _tiny_transformers_dir(path: Path) -> Path:
     """A tiny random Llama and a byte-level BPE tokenizer with a chat template, saved as a local
     transformers model directory (what `--model DIR` loads)."""
     transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -261,6 +261,8 @@ def _tiny_transformers_dir(path: Path) -> Path:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
     bpe.train_from_iterator(["The value of the cache is the sum of its tokens. " * 5, "user assistant system"],
                             trainer)  # fmt: skip
+    bos = bpe.token_to_id("<s>")  # the tokenizer adds a BOS, as Llama's does
+    bpe.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>",
                                                      unk_token="<unk>")  # fmt: skip
     tokenizer.chat_template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
@@ -275,8 +277,9 @@ def _tiny_transformers_dir(path: Path) -> Path:
 
 
 def test_a_transformers_model_directory_is_served(tmp_path: Path) -> None:
-    """`--model DIR`: completions equal `generate(wrap_model(model))` of the prompt alone, also four
-    at once; chat uses the tokenizer's own template; the model id is the directory's name."""
+    """`--model DIR`: completions equal `generate(wrap_model(model))` of the prompt alone (encoded as
+    the tokenizer does by default: with its BOS), also four at once; chat uses the tokenizer's own
+    template; the model id is the directory's name, and `/v1/models/{id}` answers for it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvcache.integrations.transformers import wrap_model
@@ -285,8 +288,8 @@ def test_a_transformers_model_directory_is_served(tmp_path: Path) -> None:
     model = wrap_model(AutoModelForCausalLM.from_pretrained(where, dtype=torch.float64).eval())
     tokenizer = AutoTokenizer.from_pretrained(where)
 
-    def alone(text: str, n: int) -> str:
-        ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
+    def alone(text: str, n: int, special: bool = True) -> str:
+        ids = torch.tensor([tokenizer.encode(text, add_special_tokens=special)])
         out = generate(model, ids, max_new_tokens=n).sequences[0, ids.shape[1] :].tolist()
         return tokenizer.decode(out, skip_special_tokens=True)
 
@@ -303,7 +306,14 @@ def test_a_transformers_model_directory_is_served(tmp_path: Path) -> None:
         messages = [{"role": "user", "content": "The value"}]
         chat = c.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=8, temperature=0)
         assert chat.choices[0].message.content == alone(tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True), 8)  # fmt: skip
+            messages, tokenize=False, add_generation_prompt=True), 8, special=False)  # fmt: skip
+        # a completion's prompt is encoded as the tokenizer does by default: with its BOS
+        assert tokenizer.encode("The value")[0] == tokenizer.bos_token_id
+        whole = c.completions.create(model="tiny-llama", prompt="The value", max_tokens=3, temperature=0)
+        assert whole.usage.prompt_tokens == len(tokenizer.encode("The value"))
+        assert c.models.retrieve("tiny-llama").id == "tiny-llama"
+        with pytest.raises(openai.NotFoundError):
+            c.models.retrieve("gpt-4")
     finally:
         assert process.terminate() == 0
 

@@ -31,19 +31,28 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--prefix-store-bytes", type=int, default=1 << 30, metavar="N",
                         help="the prefix store's byte budget (default 1 GiB)")
     parser.add_argument("--prefix-store-key-file", metavar="FILE", help="MAC key of the prefix store (see generate)")
-    parser.add_argument("--chunk-size", type=int, default=16, help="prefix-store chunk and prefill step (default 16)")
+    parser.add_argument("--chunk-size", type=int, default=16,
+                        help="prefix-store chunk: prefixes are reused in whole chunks (default 16)")
     parser.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' (or set ${API_KEY_ENV}, or use "
                         "--api-key-file: a flag's value is visible to other users of this machine)")
     parser.add_argument("--api-key-file", metavar="FILE", help="read the API key from FILE")
     parser.add_argument("--speculative", type=int, nargs="?", const=4, default=0, metavar="K",
                         help="prompt-lookup speculative decoding with up to K draft tokens per row (default K=4)")
     parser.add_argument("--max-batch", type=int, default=32, help="requests decoded together at most (default 32)")
+    parser.add_argument("--max-step-tokens", type=int, default=512,
+                        help="tokens one engine step computes at most: every running row's decode token plus "
+                        "prefill blocks of waiting prompts (default 512)")
     parser.add_argument("--max-prompt-tokens", type=int, default=8192, help="longest prompt taken (default 8192)")
     parser.add_argument("--max-tokens", type=int, default=4096, help="largest max_tokens taken (default 4096)")
-    parser.add_argument("--default-max-tokens", type=int, default=128, help="max_tokens when a request gives none")
+    parser.add_argument("--default-max-tokens", type=int, default=128,
+                        help="max_tokens when a request gives none (default 128, at most --max-tokens)")
+    parser.add_argument("--max-waiting", type=int, default=256,
+                        help="requests queued (not yet prefilling) at most; more get a 429 (default 256)")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="model dtype (default: the model's own)")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for torch (default: one fewer than torch's default, at least 1: the HTTP "
+                        "side needs a core of its own)")
     parser.add_argument("--shutdown-timeout", type=float, default=10.0,
                         help="seconds in-flight requests may take to finish after SIGTERM (default 10)")
     parser.add_argument("--keep-alive", type=float, default=30.0,
@@ -63,7 +72,30 @@ def _graceful_server_class() -> Any:
 
     class GracefulServer(uvicorn.Server):
         """uvicorn's server, except that after a graceful shutdown on SIGTERM/SIGINT the command
-        exits with status 0 (uvicorn re-raises the signal, which kills the process)."""
+        exits with status 0 (uvicorn re-raises the signal, which kills the process), and that the
+        requests still running just before the shutdown's deadline are ended by `before_cancel`
+        (the engine answers each with an OpenAI error) rather than cut by uvicorn (a plain-text
+        500, a traceback per stream)."""
+
+        before_cancel: Any = None
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            import asyncio
+
+            ender = None
+            if self.before_cancel is not None:
+                timeout = self.config.timeout_graceful_shutdown or 0.0
+
+                async def end_requests() -> None:
+                    await asyncio.sleep(max(timeout - min(1.0, timeout / 2), 0.0))
+                    await asyncio.to_thread(self.before_cancel)
+
+                ender = asyncio.create_task(end_requests())
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if ender is not None:
+                    ender.cancel()
 
         @contextlib.contextmanager
         def capture_signals(self) -> Any:  # type: ignore[override]
@@ -81,13 +113,27 @@ def _graceful_server_class() -> Any:
 
 
 def api_key(args: argparse.Namespace) -> str | None:
+    """The API key from --api-key-file, --api-key or $KVCACHE_API_KEY (in that order); None when
+    none is given. One given empty is an error, never an open server."""
     if args.api_key_file:
-        key = Path(args.api_key_file).read_text().strip()
+        key, source = Path(args.api_key_file).read_text().strip(), f"--api-key-file {args.api_key_file}"
+    elif args.api_key is not None:
+        key, source = args.api_key.strip(), "--api-key"
+    elif API_KEY_ENV in os.environ:
+        key, source = os.environ[API_KEY_ENV].strip(), f"${API_KEY_ENV}"
     else:
-        key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    if key is not None and not key:
-        raise GenerationError("the API key is empty")
+        return None
+    if not key:
+        raise GenerationError(f"the API key given by {source} is empty (leave it out to serve without a key)")
     return key
+
+
+def default_threads() -> int:
+    """Torch's threads for serving: one fewer than torch's default (one per core), at least one,
+    so the HTTP side and its clients keep a core (`benchmarks/serve.py` measured it)."""
+    import torch
+
+    return max(1, torch.get_num_threads() - 1)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -105,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
 
     server_class = _graceful_server_class()
 
-    for name in ("max_batch", "max_prompt_tokens", "max_tokens", "default_max_tokens", "max_body_bytes"):
+    for name in ("max_batch", "max_step_tokens", "max_prompt_tokens", "max_tokens", "default_max_tokens",
+                 "max_body_bytes", "max_waiting"):  # fmt: skip
         if getattr(args, name) < 1:
             raise GenerationError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 <= args.port < 65536:
@@ -113,10 +160,9 @@ def run(args: argparse.Namespace) -> int:
     for name in ("keep_alive", "shutdown_timeout"):
         if not getattr(args, name) > 0:  # NaN too
             raise GenerationError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(args, name)}")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise GenerationError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    if args.threads is not None and args.threads < 1:
+        raise GenerationError(f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads or default_threads())
     key = api_key(args)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     served = from_directory(args.model, dtype) if args.model else bundled(dtype or torch.float32)
@@ -124,14 +170,17 @@ def run(args: argparse.Namespace) -> int:
     store_args = {"chunk_size": args.chunk_size, "max_bytes": args.prefix_store_bytes, "namespace": namespace,
                   "key": store_key(args)}  # fmt: skip
     store = open_store(args.prefix_store, **store_args) if args.prefix_store else PrefixStore(**store_args)
-    engine = Engine(served.model, store, eos=served.eos, speculative=args.speculative, max_batch=args.max_batch)
+    engine = Engine(served.model, store, eos=served.eos, speculative=args.speculative, max_batch=args.max_batch,
+                    max_step_tokens=args.max_step_tokens)  # fmt: skip
     limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
-                    max_tokens=args.max_tokens, default_max_tokens=args.default_max_tokens)  # fmt: skip
+                    max_tokens=args.max_tokens, default_max_tokens=min(args.default_max_tokens, args.max_tokens),
+                    max_waiting=args.max_waiting)  # fmt: skip
     app = create_app(served, engine, limits=limits, api_key=key)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=args.access_log,
                             timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=args.keep_alive,
                             lifespan="on")  # fmt: skip
     server = server_class(config)
+    server.before_cancel = engine.stop
 
     def announce() -> None:
         sockets = [s for srv in getattr(server, "servers", []) for s in srv.sockets]

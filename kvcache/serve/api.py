@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import sys
 import time
 import traceback
@@ -21,6 +22,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -44,6 +46,7 @@ class Completion:
         request.on_event = asyncio_sink(asyncio.get_running_loop(), self.queue)
         self.finish_reason: str | None = None
         self.text = ""
+        self.tokens: list[int] = []  # as the events brought them: the engine may be a step ahead
 
     async def deltas(self) -> AsyncIterator[str]:
         """The new text after each token (possibly empty pieces are skipped); `finish_reason` is
@@ -55,13 +58,16 @@ class Completion:
                 kind, value = await self.queue.get()
                 if kind == "error":
                     raise ApiError(500, f"generation failed: {value}")
+                if kind == "unavailable":
+                    raise ApiError(503, str(value))
                 if kind == "done":
                     self.finish_reason = "stop" if value == "stop" else "length" if value == "length" else value
-                    self.text = self.served.decode(self.request.tokens)
+                    self.text = self.served.decode(self.tokens)
                     if sent < len(self.text):
                         yield self.text[sent:]
                     return
-                text = self.served.decode(self.request.tokens)
+                self.tokens.append(value)
+                text = self.served.decode(self.tokens)
                 cut = min((i for s in self.stops if (i := text.find(s, max(0, sent - len(s)))) >= 0), default=-1)
                 if cut >= 0:
                     self.text, self.finish_reason = text[:cut], "stop"
@@ -80,7 +86,9 @@ class Completion:
                 self.request.cancel()  # the client went away (or the stream was closed): the row leaves
 
     def usage(self) -> dict[str, Any]:
-        prompt, completion = len(self.request.prompt), len(self.request.tokens)
+        """OpenAI's usage: the completion's tokens are those up to where it ended (a stop string's
+        last token included), not the ones the engine decoded before it heard of the stop."""
+        prompt, completion = len(self.request.prompt), len(self.tokens)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": self.request.cached_tokens}}  # fmt: skip
 
@@ -117,7 +125,8 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
 
     async def submit(http: HttpRequest, params: Params) -> Completion:
         try:
-            prompt = params.prompt if isinstance(params.prompt, list) else served.encode(params.prompt)
+            prompt = params.prompt if isinstance(params.prompt, list) else served.encode(
+                params.prompt, add_special_tokens=params.messages is None)
         except KVCacheError as err:
             raise ApiError(400, f"the prompt cannot be encoded: {err}", param="prompt") from None
         if any(not 0 <= t < served.vocab_size for t in prompt):
@@ -127,7 +136,7 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
                            "this server takes", param="prompt", code="context_length_exceeded")  # fmt: skip
         if engine.active["waiting"] >= limits.max_waiting:
             raise ApiError(429, "the server is busy: too many requests are waiting, retry later")
-        sampling = Sampling(params.temperature > 0, params.temperature or 1.0, 0, params.top_p)
+        sampling = Sampling(params.temperature > 0, params.temperature or 1.0, params.top_k, params.top_p)
         request = Request(prompt=prompt, max_tokens=params.max_tokens, sampling=sampling, seed=params.seed)
         completion = Completion(served, engine, request, params.stop)
         metrics.prompt_tokens.inc(len(prompt))
@@ -179,9 +188,17 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
     async def chat_completions(http: HttpRequest) -> Response:
         return await generate(http, chat=True)
 
+    card = {"id": served.name, "object": "model", "created": 0, "owned_by": "kvcache"}
+
     async def models(http: HttpRequest) -> Response:
-        card = {"id": served.name, "object": "model", "created": 0, "owned_by": "kvcache"}
         return JSONResponse({"object": "list", "data": [card]})
+
+    async def model(http: HttpRequest) -> Response:
+        name = http.path_params["name"]
+        if name != served.name:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {served.name!r}",
+                           param="model", code="model_not_found")  # fmt: skip
+        return JSONResponse(card)
 
     async def health(http: HttpRequest) -> Response:
         return JSONResponse({"status": "ok", "model": served.name, **engine.active})
@@ -198,10 +215,34 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
         Route("/v1/completions", endpoint("completions", completions, auth=True), methods=["POST"]),
         Route("/v1/chat/completions", endpoint("chat", chat_completions, auth=True), methods=["POST"]),
         Route("/v1/models", endpoint("models", models, auth=True), methods=["GET"]),
+        Route("/v1/models/{name:path}", endpoint("models", model, auth=True), methods=["GET"]),
         Route("/health", endpoint("health", health, auth=False), methods=["GET"]),
         Route("/metrics", endpoint("metrics", metrics_text, auth=False), methods=["GET"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error},
+                     middleware=[Middleware(RefuseAmbiguousFraming)])  # fmt: skip
+
+
+class RefuseAmbiguousFraming:
+    """A request with both `Transfer-Encoding` and `Content-Length` is refused (400) and its
+    connection closed (RFC 9112, 6.1): the two framings disagree about where the body ends, which
+    is how a second request is smuggled past a proxy."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            names = {name.lower() for name, _ in scope["headers"]}
+            if b"transfer-encoding" in names and b"content-length" in names:
+                body = json.dumps(ApiError(400, "a request must not have both Transfer-Encoding and "
+                                                "Content-Length").body()).encode()  # fmt: skip
+                headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                           (b"connection", b"close")]  # fmt: skip
+                await send({"type": "http.response.start", "status": 400, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
 
 
 def check_key(request: HttpRequest, key: str) -> None:
@@ -222,8 +263,6 @@ async def _watch(http: HttpRequest, completion: Completion) -> None:
 
 async def _events(completion: Completion, head: dict[str, Any], chat: bool, include_usage: bool) -> AsyncIterator[str]:
     """The SSE stream of one completion, as OpenAI sends it, ending with `data: [DONE]`."""
-    import json
-
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(delta: str | None, finish: str | None, first: bool = False) -> str:
@@ -234,7 +273,8 @@ async def _events(completion: Completion, head: dict[str, Any], chat: bool, incl
             choice = {"index": 0, "delta": piece, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
-        return f"data: {json.dumps({**head, 'object': kind, 'choices': [choice]})}\n\n"
+        usage = {"usage": None} if include_usage else {}  # OpenAI's chunks say null until the last
+        return f"data: {json.dumps({**head, 'object': kind, 'choices': [choice], **usage})}\n\n"
 
     if chat:
         yield chunk(None, None, first=True)

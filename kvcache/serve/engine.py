@@ -1,13 +1,19 @@
 """The server's decoding engine: one thread that owns the model and decodes every request together.
 
-Each loop turn does, in order: admit newcomers; feed *one* chunk of the prompt of the request
-being prefilled (alone, through the prefix store, so its prefill stalls the running batch by one
-bounded chunk at most); join the requests whose prefill is done into the batch (`rows.stack`);
-run one decode step for every row (one forward, per-row positions and padding mask); hand each
-row its token; let finished and cancelled rows leave (`batch_select_indices`). Every chunk
-boundary a row's cache reaches is stored (`StoreSession.advance`), so the next turn of a chat finds
-the previous answer. With prompt lookup (`speculative=True`) each step drafts per row, verifies all
-rows in one forward and crops each row by its own count (`Cache.crop` with per-row counts).
+Each loop turn does, in order: admit newcomers; spend the turn's token budget (`max_step_tokens`,
+less one token per running row) on prefill blocks of the waiting prompts, first come first
+served, each alone through the prefix store (`prefill`: a block is as long as the budget allows,
+not a store chunk; several newcomers may be fed in one turn); join the requests whose prefill is
+done into the batch (`rows.stack`); run one decode step for every row (one forward, per-row
+positions and padding mask); hand each row its token; let finished and cancelled rows leave
+(`batch_select_indices`). Every chunk boundary a row's cache reaches is stored
+(`StoreSession.advance`), so the next turn of a chat finds the previous answer; the store's
+encoding and writing run on its background writer. With prompt lookup (`speculative=True`) each
+step drafts per row, verifies all rows in one forward and crops each row by its own count
+(`Cache.crop` with per-row counts).
+
+What goes wrong with one request (a prompt the model cannot take, a sampling failure) ends that
+request alone, with an error event; only a failure of the shared decode forward ends every row.
 
 Requests talk to the engine through thread-safe queues: `submit` from the web server's event
 loop, events (`token`, `done`, `error`) back into each request's own asyncio queue.
@@ -31,15 +37,19 @@ from ..cache import Cache
 from ..errors import CacheInputError
 from ..generation.drafters import PromptLookupDrafter
 from ..generation.sampling import Sampling
-from ..store.payloads import capture, model_module
+from ..store.payloads import model_module, storable
+from . import prefill
 from . import rows as batch_rows
 from .metrics import Metrics
 
 #: Rows decoded together at most; newcomers wait while the batch is full.
 MAX_BATCH = 32
+#: Tokens one engine turn computes at most: the running rows' decode tokens plus prefill blocks
+#: (`benchmarks/serve.py` measured the choice).
+MAX_STEP_TOKENS = 512
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: compared by identity
 class Request:
     """One completion: its prompt ids and parameters, and what the engine fills in."""
 
@@ -60,7 +70,6 @@ class Request:
     generator: torch.Generator | None = None
     session: Any = None
     cache: Cache | None = None
-    steps: Any = None
     pending: int | None = None  # the token to feed at the next decode step
     drafter: PromptLookupDrafter | None = None
 
@@ -79,10 +88,15 @@ class Engine:
     prefix `store` (a `PrefixStore`; every request goes through it)."""
 
     def __init__(self, model: Any, store: Any, *, eos: list[int], metrics: Metrics | None = None,
-                 speculative: int = 0, max_batch: int = MAX_BATCH) -> None:  # fmt: skip
+                 speculative: int = 0, max_batch: int = MAX_BATCH,
+                 max_step_tokens: int = MAX_STEP_TOKENS) -> None:  # fmt: skip
         self.model, self.store, self.eos = model, store, frozenset(eos)
         self.metrics = metrics or Metrics()
-        self.speculative, self.max_batch = speculative, max_batch
+        self.speculative, self.max_batch, self.max_step_tokens = speculative, max_batch, max_step_tokens
+        if any(not storable(layer, store.chunk_size) for layer in model.new_cache()):
+            raise CacheInputError("the served model's cache has static layers (or a quantized sliding window narrower "
+                                  "than a chunk), which the prefix store cannot keep")  # fmt: skip
+        self.block_limit = prefill.block_limit(model, store.chunk_size)
         module = model_module(model)
         param = None if module is None else next(iter(module.parameters()), None)
         self.device = torch.device("cpu") if param is None else param.device
@@ -109,14 +123,16 @@ class Engine:
 
     # ------------------------------------------------------------------------- interface
     def start(self) -> None:
+        self.store.start_writer()
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Cancel what is left and end the thread."""
+        """Cancel what is left, end the thread, and finish the store's queued writes."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
         self._thread.join(timeout)
+        self.store.stop_writer(timeout)
 
     def submit(self, request: Request) -> Request:
         request.id = request.id or f"req-{next(self._ids)}"
@@ -129,7 +145,8 @@ class Engine:
     def active(self) -> dict[str, int]:
         """Requests waiting, prefilling, running; and whether a batch cache is held (for health
         checks and the load test's leak check)."""
-        return {"waiting": len(self._inbox), "prefilling": len(self._prefilling) + len(self._ready),
+        started = sum(r.session is not None for r in list(self._prefilling))
+        return {"waiting": len(self._inbox) + len(self._prefilling) - started, "prefilling": started + len(self._ready),
                 "running": len(self._rows), "batch_cache": int(self._cache is not None)}  # fmt: skip
 
     # ------------------------------------------------------------------------------ loop
@@ -153,18 +170,40 @@ class Engine:
                 self._ready.clear()
                 self._drop_batch()
         for request in [*self._inbox, *self._prefilling, *self._ready, *self._rows]:
-            request.on_event(("error", "the server is shutting down"))
+            request.on_event(("unavailable", "the server is shutting down: the request was not finished"))
         self._drop_batch()
 
     def _turn(self) -> None:
         self._drop_cancelled()
-        if self._prefilling and len(self._rows) + len(self._ready) < self.max_batch:
-            self._prefill_chunk(self._prefilling[0])
+        self._prefill_turn()
         if self._ready:
             self._join()
         if self._rows:
             self._decode_step()
         self.metrics.batch_size.set(len(self._rows))
+
+    def _prefill_turn(self) -> None:
+        """Spend this turn's budget on the waiting prompts, in order of arrival, as many as there
+        are free rows for. The first prompt is fed at least one chunk, so prefills always move."""
+        budget = self.max_step_tokens - len(self._rows) * (1 + self.speculative)
+        slots = self.max_batch - len(self._rows) - len(self._ready)
+        for position, request in enumerate(list(self._prefilling)[: max(slots, 0)]):
+            floor = self.store.chunk_size if position == 0 else 1
+            try:
+                if request.session is None:
+                    prefill.start(self, request)
+                fed, logits = prefill.feed(self, request, max(budget, floor))
+                if logits is not None:
+                    self._prefilled(request, logits)
+            except Exception as exc:  # this prompt's own failure: it alone ends
+                for queue in (self._prefilling, self._ready):
+                    if request in queue:
+                        queue.remove(request)
+                self._fail(request, exc)
+                continue
+            budget -= fed
+            if budget <= 0 or fed == 0:
+                break
 
     def _drop_cancelled(self) -> None:
         for request in [r for r in [*self._prefilling, *self._ready] if r.cancelled]:
@@ -177,27 +216,11 @@ class Engine:
             self._keep([i for i in range(len(self._rows)) if i not in gone])
 
     # --------------------------------------------------------------------------- prefill
-    def _prefill_chunk(self, request: Request) -> None:
-        """One bounded piece of `request`'s prefill: its lookup, one chunk, or its last tokens."""
-        if request.steps is None:
-            request.session = self.store.session(self.model)
-            request.steps = request.session.prefill_steps(request.prompt)
-            request.cached_tokens, request.cache = next(request.steps)
-            self.metrics.prefix_lookups.inc()
-            if request.cached_tokens:
-                self.metrics.prefix_hits.inc()
-                self.metrics.tokens_reused.inc(request.cached_tokens)
-            return
-        if next(request.steps, None) is not None:
-            return
-        cache, held = request.cache, request.session.length
-        rest = torch.tensor([request.prompt[held:]], dtype=torch.long, device=self.device)
-        positions = torch.arange(held, len(request.prompt), device=self.device)[None]
-        logits = self.model(rest, cache=cache, position_ids=positions)[:, -1]
-        request.session.advance(request.prompt[held:], lambda s, e: [capture(layer, s, e) for layer in cache])
+    def _prefilled(self, request: Request, logits: torch.Tensor) -> None:
+        """`request`'s prompt is in its cache: its first token, then it waits to join the batch."""
         if request.seed is not None:
             request.generator = torch.Generator(device=self.device).manual_seed(request.seed)
-        self._prefilling.popleft()
+        self._prefilling.remove(request)
         if request.cancelled:
             self._finish(request, "cancelled")
             return
@@ -244,9 +267,12 @@ class Engine:
         logits = self.model(ids, cache=cache, **self.row_inputs(1))[:, -1]
         keep = []
         for b, request in enumerate(rows):
-            fed = request.pending
-            request.session.advance([fed], self.row_capture(b))
-            self._emit(request, self._choose(request, logits[b : b + 1]))
+            try:
+                fed = request.pending
+                request.session.advance([fed], self.row_capture(b))
+                self._emit(request, self._choose(request, logits[b : b + 1]))
+            except Exception as exc:  # this row's own failure (its sampling, its store path): it alone ends
+                self._fail(request, exc)
             if request.finish_reason is None:
                 keep.append(b)
         self._keep(keep)
@@ -291,8 +317,15 @@ class Engine:
 
     def _finish(self, request: Request, reason: str) -> None:
         request.finish_reason = reason
-        request.cache = request.steps = None
+        request.cache = None
         request.on_event(("done", reason))
+
+    def _fail(self, request: Request, exc: Exception) -> None:
+        """End `request` alone with an error event (logged here: it is a bug or a bad model)."""
+        traceback.print_exc()
+        request.finish_reason = "error"
+        request.cache = None
+        request.on_event(("error", f"{type(exc).__name__}: {exc}"))
 
     def finish_early(self, request: Request, reason: str = "stop") -> None:
         """Called from the web side when a stop string appeared: the row leaves at its next step."""

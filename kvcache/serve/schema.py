@@ -27,12 +27,17 @@ class ApiError(Exception):
 
 
 #: Fields accepted only at these values (OpenAI defines them; this server does not implement them).
-NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "presence_penalty": 0,
-           "frequency_penalty": 0, "logit_bias": None, "suffix": None, "tools": None, "tool_choice": None,
-           "response_format": None, "parallel_tool_calls": None}  # fmt: skip
+#: Each lists every value that means "off" (chat's `logprobs` is a boolean, completions' a count).
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (None, False), "top_logprobs": (None, 0),
+    "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": (None, {}), "suffix": (None, ""),
+    "tools": (None, []), "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
+    "parallel_tool_calls": (None,)}  # fmt: skip
 #: Fields accepted and ignored (they change nothing here).
 IGNORED = {"user", "metadata", "store", "service_tier"}
-COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options"}
+#: Temperatures above 0 and below this decode greedily (dividing logits by less overflows them).
+GREEDY_BELOW = 1e-5
+COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options"}
 COMPLETION_FIELDS = COMMON | {"prompt"} | set(NEUTRAL) | IGNORED
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"} | set(NEUTRAL) | IGNORED
 
@@ -54,6 +59,7 @@ class Params:
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: no cut (-1, as vLLM writes it, means the same)
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stream: bool = False
@@ -61,14 +67,43 @@ class Params:
     messages: list[dict[str, str]] | None = None
 
 
+#: JSON nested deeper than this is refused (a request needs 4 levels; Python's parser recurses).
+MAX_JSON_DEPTH = 32
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object; a 400 for anything else: invalid JSON or UTF-8, strings
+    that are not valid Unicode (lone surrogates such as "\\ud800", which no answer could quote),
+    nesting deeper than `MAX_JSON_DEPTH`."""
     try:
         body = json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels",
+                       code="invalid_json") from None  # fmt: skip
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON ({exc})", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    _check_json(body, 1)
     return body
+
+
+def _check_json(value: Any, depth: int) -> None:
+    if depth > MAX_JSON_DEPTH:
+        raise ApiError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(400, "the request body holds a string that is not valid Unicode (a lone surrogate)",
+                           code="invalid_json") from None  # fmt: skip
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_json(key, depth)
+            _check_json(item, depth + 1)
+    elif isinstance(value, list):
+        for item in value:
+            _check_json(item, depth + 1)
 
 
 def _number(body: dict[str, Any], name: str, default: float, low: float, high: float, *,
@@ -92,13 +127,21 @@ def _integer(value: Any, name: str, low: int, high: int) -> int:
     return value
 
 
+def _same(value: Any, neutral: Any) -> bool:
+    """`value == neutral`, except that a boolean equals only a boolean (`n: true` is not `n: 1`)."""
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return type(value) is type(neutral) and value == neutral
+    return value == neutral
+
+
 def _common(body: dict[str, Any], allowed: set[str], model: str, limits: Limits, max_name: str) -> Params:
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise ApiError(400, f"unrecognized request argument(s): {', '.join(unknown)}", param=unknown[0])
     for name, neutral in NEUTRAL.items():
-        if name in body and body[name] is not None and body[name] != neutral:
-            raise ApiError(400, f"{name}={body[name]!r} is not supported by this server (only {neutral!r})",
+        if name in body and not any(_same(body[name], v) for v in neutral):
+            shown = " or ".join(json.dumps(v) for v in neutral)
+            raise ApiError(400, f"{name}={body[name]!r} is not supported by this server (only {shown})",
                            param=name)  # fmt: skip
     given = body.get("model")
     if given is not None and given != model:
@@ -120,9 +163,12 @@ def _common(body: dict[str, Any], allowed: set[str], model: str, limits: Limits,
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise ApiError(400, f"stream_options must be an object with a boolean include_usage, got {options!r}",
                        param="stream_options")  # fmt: skip
-    return Params(prompt="", max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-                  top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), seed=seed, stop=stops, stream=stream,
-                  include_usage=bool(options.get("include_usage", False)))  # fmt: skip
+    top_k = body.get("top_k")
+    top_k = 0 if top_k is None or top_k == -1 else _integer(top_k, "top_k", 0, 1 << 31)
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    return Params(prompt="", max_tokens=max_tokens, temperature=0.0 if temperature < GREEDY_BELOW else temperature,
+                  top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), top_k=top_k, seed=seed, stop=stops,
+                  stream=stream, include_usage=bool(options.get("include_usage", False)))  # fmt: skip
 
 
 def completion_params(body: dict[str, Any], model: str, limits: Limits) -> Params:

@@ -27,7 +27,7 @@ ROLES = ("system", "user", "assistant")
 @dataclass
 class ServedModel:
     """`model` (kvcache protocol), `name` (the API's model id), `identity` (the prefix store's
-    namespace: it names the weights), `eos` ids, and text <-> ids."""
+    namespace; the store's fingerprint names the weights and config), `eos` ids, and text <-> ids."""
 
     model: Any
     name: str
@@ -40,15 +40,19 @@ class ServedModel:
     def vocab_size(self) -> int:
         return int(self.model.vocab_size)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; `CacheInputError` for characters the model cannot read."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `CacheInputError` for characters the model cannot read. A
+        transformers tokenizer adds its special tokens (a BOS) as it does by default, so a
+        completion's prompt is what `model.generate(**tokenizer(prompt))` sees; a chat prompt,
+        whose template writes them already, is encoded without (`add_special_tokens=False`), as
+        `apply_chat_template(tokenize=True)` does."""
         if self.kind == "bundled":
             unknown = self.tokenizer.unknown_characters(text)
             if unknown:
                 shown = "".join(unknown[:20])
                 raise CacheInputError(f"{len(unknown)} character(s) outside the model's alphabet: {shown!r}")
             return self.tokenizer.encode(text)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: list[int]) -> str:
         if self.kind == "bundled":
@@ -93,4 +97,6 @@ def from_directory(path: str | Path, dtype: torch.dtype | None = None) -> Served
     tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=True)
     wrapped = wrap_model(hf)
     eos = wrapped.eos_token_id or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
-    return ServedModel(wrapped, where.name, list(eos), tokenizer, "transformers", str(where.resolve()))
+    # the store's namespace: the fingerprint already covers the config and weights (not the path),
+    # so servers loading the same model from anywhere share one store
+    return ServedModel(wrapped, where.name, list(eos), tokenizer, "transformers", "transformers")

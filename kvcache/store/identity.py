@@ -1,8 +1,9 @@
 """Which model a store entry belongs to: the fingerprint every chunk key chains from.
 
-It covers the namespace, the model's class and config, the chunk size, each cache layer's kind
-and parameters, and a digest of the weights themselves (every parameter and buffer: names,
-dtypes, shapes and bytes), so the same model object with new weights never hits the old entries.
+It covers the namespace, the model's class and config (less the path it was loaded from), the
+chunk size, each cache layer's kind and parameters, and a digest of the weights themselves (every
+parameter and buffer: names, dtypes, shapes and bytes), so the same model object with new weights
+never hits the old entries.
 The weights are hashed once per model object (xxh3, about 10 GB/s of weights on one core, plus a
 copy to the host for weights on an accelerator) and again only when a parameter changes: each
 call compares every parameter's identity, address and version counter, which `load_state_dict`,
@@ -69,7 +70,7 @@ WEIGHTS = WeightDigests()
 def fingerprint(model: Any, cache: Any, *, namespace: str, chunk_size: int, key: bytes | None) -> bytes:
     """The root every chunk key of `model` chains from (see the module docstring)."""
     config = getattr(model, "config", None)
-    config = config.to_dict() if hasattr(config, "to_dict") else config
+    config = _without_origin(config.to_dict()) if hasattr(config, "to_dict") else config
     module = model_module(model)
     param = next(iter(module.parameters()), None) if module is not None else None
     parts = [namespace, type(model).__name__, repr(config), str(getattr(param, "dtype", None)), str(chunk_size),
@@ -78,6 +79,18 @@ def fingerprint(model: Any, cache: Any, *, namespace: str, chunk_size: int, key:
     if key is None:
         return xxhash.xxh3_128_digest(plain)
     return hmac.new(key, plain, hashlib.sha256).digest()[:16]
+
+
+#: Config fields that say where a model was loaded from, not what it computes.
+ORIGIN_FIELDS = frozenset({"_name_or_path", "name_or_path", "_commit_hash"})
+
+
+def _without_origin(config: Any) -> Any:
+    """A config dict without the fields naming its directory (nested configs too): the same weights
+    loaded from another path, on another machine, share their entries."""
+    if isinstance(config, dict):
+        return {k: _without_origin(v) for k, v in config.items() if k not in ORIGIN_FIELDS}
+    return config
 
 
 def forget(model: Any) -> None:

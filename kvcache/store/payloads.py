@@ -120,6 +120,42 @@ def capture(layer: CacheLayer, start: int, end: int) -> Payload:
     return Snapshot(type(snap).__name__, snap.meta_state, {k: v.clone() for k, v in snap.state.items()})
 
 
+def capture_back(layer: CacheLayer, start: int, end: int, held: int) -> Payload:
+    """`capture` of the chunk `[start, end)` from `layer` now holding `held >= end` tokens: a
+    boundary a prefill forward passed over. Only layers for which `prefill_span` allowed that
+    forward's length are asked (attention whose chunk is still held); the rest only at `held`."""
+    if end == held:
+        return capture(layer, start, end)
+    if type(layer) is DynamicLayer:
+        keys, values = layer.state["keys"], layer.state["values"]
+        return Delta(keys[:, :, start:end].clone(), values[:, :, start:end].clone())
+    if type(layer) is SlidingWindowLayer and layer.sliding_window - 1 >= end - start:
+        keys, values = layer.state["keys"], layer.state["values"]
+        first = held - keys.shape[2]  # absolute position of the oldest token held
+        if start < first:
+            raise ValueError(f"chunk [{start}, {end}) is no longer held by the window (it keeps {first}..{held})")
+        return WindowDelta(keys[:, :, start - first : end - first].clone(), values[:, :, start - first : end - first]
+                           .clone(), layer.sliding_window)  # fmt: skip
+    if type(layer).__name__ == "EmptyLayer":
+        return capture(layer, start, end)
+    raise ValueError(f"{type(layer).__name__} keeps no state for a boundary {held - end} token(s) back")
+
+
+def prefill_span(layer: CacheLayer, chunk: int) -> int:
+    """The most tokens one prefill forward into `layer` may feed (from a chunk boundary) while every
+    chunk boundary it passes can still be captured afterwards (`capture_back`): any number for
+    full attention, and for a sliding window at least a chunk wide that records the forward (it
+    then keeps the forward's tokens past its window until the commit); one chunk for layers that
+    keep only their latest state (recurrent, quantized, narrow windows)."""
+    if isinstance(layer, HybridLayer):
+        return min(prefill_span(layer.attention, chunk), prefill_span(layer.recurrent, chunk))
+    if type(layer) is DynamicLayer or type(layer).__name__ == "EmptyLayer":
+        return 1 << 62
+    if type(layer) is SlidingWindowLayer and layer.sliding_window - 1 >= chunk:
+        return 1 << 62
+    return chunk
+
+
 def rebuild(path: list[Payload], device: torch.device | None = None) -> CacheLayer:
     """The layer a cache held after the chunks whose payloads (for this layer) are `path`, in order,
     its tensors on `device` (checked payloads only: see `check_payload`)."""

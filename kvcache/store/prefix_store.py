@@ -95,6 +95,22 @@ class PrefixStore:
             warnings.warn(f"prefix store {self.location} is read-only here: lookups hit, nothing is stored",
                           stacklevel=2)  # fmt: skip
         self.guard(lambda: self.backend.shrink_to(max_bytes), 0)
+        self.writer: Any = None  # a StoreWriter once `start_writer` is called
+
+    def start_writer(self) -> None:
+        """Write new entries on a background thread from now on (`StoreWriter`): a server's
+        engine captures a chunk and goes on decoding while it is encoded and written. Not for the
+        memory backend, which keeps entries as they are (nothing to encode)."""
+        if self.writer is None and not self.backend.holds_objects:
+            from .writer import StoreWriter
+
+            self.writer = StoreWriter()
+
+    def stop_writer(self, timeout: float = 30.0) -> None:
+        """Finish the queued writes (for up to `timeout` seconds) and write in the caller's thread again."""
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            writer.close(timeout)
 
     def __len__(self) -> int:
         return int(self.guard(lambda: self.backend.summary()["chunks"], 0))

@@ -45,6 +45,7 @@ class StoreSession:
         self._pending: list[tuple[int, torch.Tensor]] = []  # (position, ids) of forwards not read yet
         self._stamp: int | None = None
         self._warned = False
+        self._broken = False  # an insert of the background writer failed: later ones are skipped
         self.device = _device(model)
 
     # ------------------------------------------------------------------------------ keys
@@ -174,6 +175,18 @@ class StoreSession:
             self._store_boundary(lambda s, e: [capture(layer, s, e) for layer in cache], heal=True)
             yield reused, cache
 
+    def fed(self, n: int, capture_chunk: Callable[[int, int], list[Payload]]) -> None:
+        """The request's cache took the next `n` tokens of the looked-up `tokens` in one forward:
+        store every whole chunk boundary it passed, in order (`capture_chunk(start, end)` gives
+        the chunk's payloads from the cache as it is now, `end` possibly before its last token)."""
+        end = self.length + n
+        if end > len(self.tokens):
+            raise CacheInputError(f"prefix store: fed {n} token(s) past the {len(self.tokens)} looked up")
+        for boundary in range((self.length // self.chunk + 1) * self.chunk, end + 1, self.chunk):
+            self.length = boundary
+            self._store_boundary(capture_chunk, heal=True)
+        self.length = end
+
     # ---------------------------------------------------------------------------- decode
     def after_forward(self, cache: Cache, ids: torch.Tensor) -> None:
         """The generation driver fed `ids` `[1, n]` into `cache`: store the boundary the cache now
@@ -216,13 +229,29 @@ class StoreSession:
         depth = end // self.chunk - 1
         key, parent = self.keys[depth], (self.keys[depth - 1] if depth else None)
         payloads = capture_chunk(end - self.chunk, end)
+        writer = self.store.writer
+        if writer is None:
+            if self._write(key, parent, payloads, depth, stamp, heal):
+                self.stored = end
+            return
+        # a background writer encodes and writes; its inserts run in order, so once one of this
+        # session's fails, the later ones (its children) are skipped
+        def job() -> None:
+            if not self._broken and not self._write(key, parent, payloads, depth, stamp, heal):
+                self._broken = True
+
+        if writer.submit(job, sum(p.nbytes for p in payloads)):
+            self.stored = end
+
+    def _write(self, key: bytes, parent: bytes | None, payloads: list[Payload], depth: int, stamp: int,
+               heal: bool) -> bool:  # fmt: skip
+        """Insert one entry (replacing a damaged one there when `heal`); True when the store holds it."""
         outcome = self._insert(key, parent, payloads, depth, stamp)
         if outcome == "exists" and heal:
             records = self.store.guard(lambda: self.store.backend.get_many([key]), [], self)
             if records and self._checked(records[0], depth) is None:
                 outcome = self._insert(key, parent, payloads, depth, stamp)
-        if outcome in ("stored", "exists"):
-            self.stored = end
+        return outcome in ("stored", "exists")
 
     def _insert(self, key: bytes, parent: bytes | None, payloads: list[Payload], depth: int, stamp: int) -> str:
         store, backend = self.store, self.store.backend

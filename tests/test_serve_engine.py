@@ -1,0 +1,202 @@
+"""The server's engine in-process (no HTTP): prefill blocks under a token budget, the chunks they
+store, the store's background writer, and one request's failure kept to that request.
+
+The bundled model in float64 (batched and single-row kernels differ in the last bits only, far
+below the logit gaps: greedy tokens must be identical to the prompt decoded alone).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kvcache.generation import generate
+from kvcache.generation.sampling import Sampling
+from kvcache.layers.sliding import SlidingWindowLayer
+from kvcache.models import load_default_model
+from kvcache.serve.engine import Engine, Request
+from kvcache.store import PrefixStore, open_store
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return load_default_model(dtype=torch.float64)
+
+
+def prompt_ids(tokenizer, i: int, length: int) -> list[int]:
+    text = "".join(f"The value {i} of the list is {i * 7 % 13}. " for _ in range(length // 20 + 1))
+    return tokenizer.encode(text)[:length]
+
+
+def alone(model, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    return generate(model, ids, max_new_tokens=n).sequences[0, len(prompt) :].tolist()
+
+
+@dataclass
+class Outcome:
+    events: list
+    done: threading.Event
+
+
+def run_requests(engine: Engine, requests: list[Request], timeout: float = 120) -> list[Outcome]:
+    outcomes = []
+    for request in requests:
+        outcome = Outcome([], threading.Event())
+
+        def sink(event, outcome=outcome):
+            outcome.events.append(event)
+            if event[0] in ("done", "error"):
+                outcome.done.set()
+
+        request.on_event = sink
+        outcomes.append(outcome)
+    for request in requests:
+        engine.submit(request)
+    for outcome in outcomes:
+        assert outcome.done.wait(timeout), "the engine did not answer"
+    return outcomes
+
+
+class CountingModel:
+    """The model, counting the tokens each forward feeds (the engine's budget is checked with it)."""
+
+    def __init__(self, model) -> None:
+        self.inner, self.fed = model, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, ids, **kwargs):
+        self.fed.append(tuple(ids.shape))
+        return self.inner(ids, **kwargs)
+
+
+@pytest.mark.parametrize("budget", [16, 100, 512])
+def test_answers_equal_each_prompt_alone_under_every_budget(bundled, budget: int) -> None:
+    """Prompts of 10 to 300 tokens arriving together: each forward feeds at most the budget (a
+    first block at least a chunk), prefill blocks end on chunk boundaries unless they end the
+    prompt, and every greedy answer equals its prompt decoded alone."""
+    model, tokenizer = bundled
+    counting = CountingModel(model)
+    store = PrefixStore(chunk_size=16)
+    engine = Engine(counting, store, eos=[], max_step_tokens=budget)
+    engine.start()
+    try:
+        prompts = [prompt_ids(tokenizer, i, n) for i, n in enumerate((10, 47, 300, 129, 64))]
+        requests = [Request(prompt=p, max_tokens=12, sampling=Sampling(False)) for p in prompts]
+        outcomes = run_requests(engine, requests)
+    finally:
+        engine.stop()
+    for prompt, request, outcome in zip(prompts, requests, outcomes, strict=True):
+        assert outcome.events[-1] == ("done", "length")
+        assert request.tokens == alone(model, prompt, 12)
+    prefill_shapes = [s for s in counting.fed if s[0] == 1 and s[1] > 1]
+    assert prefill_shapes and all(s[1] <= max(budget, 16) for s in prefill_shapes)
+    if budget >= 300:  # the longest prompt went in one block, not in chunks
+        assert (1, 300) in prefill_shapes
+
+
+def test_block_prefill_stores_every_boundary_as_the_forward_computed_it(bundled) -> None:
+    """A 200-token prompt fed as one block stores all 12 chunk boundaries inside it; the cache a
+    lookup rebuilds at each boundary holds exactly (bitwise) the keys/values the block's forward
+    computed for those positions, the sliding windows included (they record the block, so the
+    chunks they evict are still taken)."""
+    model, tokenizer = bundled
+    prompt = prompt_ids(tokenizer, 3, 201)
+    store = PrefixStore(chunk_size=16)
+    engine = Engine(model, store, eos=[], max_step_tokens=512)
+    engine.start()
+    try:
+        run_requests(engine, [Request(prompt=prompt, max_tokens=1, sampling=Sampling(False))])
+    finally:
+        engine.stop()
+    assert store.stats.chunks_inserted == 12
+    reference = model.new_cache()  # the same forward, every window recording: it keeps every token
+    reference.activate_past_recording()
+    model(torch.tensor([prompt[:200]]), cache=reference, position_ids=torch.arange(200)[None])
+    for boundary in (16, 112, 192):
+        reused, cache = store.lookup(prompt[: boundary + 1], model)
+        assert reused == boundary
+        for got, want in zip(cache, reference, strict=True):
+            keys, values = want.state["keys"], want.state["values"]
+            held = got.state["keys"].shape[2]
+            if isinstance(got, SlidingWindowLayer):
+                assert held == min(got.sliding_window - 1, boundary)
+            assert torch.equal(got.state["keys"], keys[:, :, boundary - held : boundary])
+            assert torch.equal(got.state["values"], values[:, :, boundary - held : boundary])
+
+
+class FailingSampling(Sampling):
+    def scores(self, logits):  # a row whose sampling breaks (a bug, a bad parameter)
+        raise RuntimeError("probability tensor contains nan")
+
+
+def test_one_requests_failure_never_reaches_another(bundled) -> None:
+    """A row whose sampling fails ends alone with an error; the rows decoded with it finish with
+    their own greedy answers, and the engine takes new requests after."""
+    model, tokenizer = bundled
+    engine = Engine(model, PrefixStore(chunk_size=16), eos=[])
+    engine.start()
+    try:
+        prompts = [prompt_ids(tokenizer, i, 30 + i) for i in range(4)]
+        requests = [Request(prompt=p, max_tokens=20, sampling=Sampling(False)) for p in prompts]
+        requests[2].sampling = FailingSampling(True, 1.0)
+        outcomes = run_requests(engine, requests)
+        late = Request(prompt=prompts[0], max_tokens=5, sampling=Sampling(False))
+        run_requests(engine, [late])
+    finally:
+        engine.stop()
+    assert outcomes[2].events[-1][0] == "error" and "nan" in outcomes[2].events[-1][1]
+    for i in (0, 1, 3):
+        assert requests[i].tokens == alone(model, prompts[i], 20), i
+    assert late.tokens == alone(model, prompts[0], 5)
+    assert engine.active == {"waiting": 0, "prefilling": 0, "running": 0, "batch_cache": 0}
+
+
+def test_a_directory_store_writes_on_its_background_writer(bundled, tmp_path) -> None:
+    """With a directory store the engine's inserts go through the store's writer: a cold prompt's
+    chunks are all written once the writer is flushed, and the same prompt then hits them."""
+    model, tokenizer = bundled
+    store = open_store(str(tmp_path / "store"), chunk_size=16)
+    engine = Engine(model, store, eos=[])
+    engine.start()
+    prompt = prompt_ids(tokenizer, 5, 150)
+    try:
+        assert store.writer is not None
+        first = Request(prompt=prompt, max_tokens=3, sampling=Sampling(False))
+        run_requests(engine, [first])
+        store.writer.flush(30)
+        second = Request(prompt=prompt, max_tokens=3, sampling=Sampling(False))
+        run_requests(engine, [second])
+    finally:
+        engine.stop()
+    assert store.writer is None  # stopped with the engine, its queue finished
+    assert first.cached_tokens == 0 and second.cached_tokens == 144
+    assert first.tokens == second.tokens == alone(model, prompt, 3)
+
+
+def test_a_full_writer_skips_chunks_and_never_the_decode(bundled, tmp_path) -> None:
+    """A writer whose queue takes nothing: the chunks are skipped (counted), the answers are the
+    prompt's own, and nothing half-written is found later."""
+    model, tokenizer = bundled
+    store = open_store(str(tmp_path / "store"), chunk_size=16)
+    engine = Engine(model, store, eos=[])
+    engine.start()
+    store.writer.max_bytes = 0  # every insert is refused...
+    store.writer._bytes = 1  # ...as if the queue held something already
+    prompt = prompt_ids(tokenizer, 6, 90)
+    try:
+        request = Request(prompt=prompt, max_tokens=20, sampling=Sampling(False))
+        run_requests(engine, [request])
+        skipped = store.writer.skipped
+        store.writer._bytes = 0
+    finally:
+        engine.stop()
+    assert skipped >= 1 and request.tokens == alone(model, prompt, 20)
+    assert store.lookup(prompt, model)[0] == 0
