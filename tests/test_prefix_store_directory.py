@@ -248,3 +248,49 @@ def test_hits_equal_the_chunked_recomputation_with_a_store_made_elsewhere(tmp_pa
     want = chunked_reference(m, ids, 8)
     assert hit.sequences.tolist() == want.sequences.tolist()
     assert all(torch.equal(a, b) for a, b in zip(hit.scores, want.scores, strict=True))
+
+
+def test_a_damaged_index_is_a_clear_error_not_a_traceback(tmp_path: Path, capsys) -> None:
+    """An `index.sqlite` that is not a database: opening the store is a `KVCacheError` naming the
+    index, and `kvcache store` / `kvcache generate --prefix-store` print one line, exit 2."""
+    from kvcache import KVCacheError
+    from kvcache.cli import main
+
+    store_at(tmp_path).prefill(model(), prompt()[0].tolist())
+    (tmp_path / "index.sqlite").write_bytes(b"this is not a database" * 100)
+    for name in ("index.sqlite-wal", "index.sqlite-shm"):
+        (tmp_path / name).unlink(missing_ok=True)
+    with pytest.raises(KVCacheError, match=r"index\.sqlite is damaged"):
+        store_at(tmp_path)
+    for argv in (["store", str(tmp_path)], ["generate", "The value", "--max-new-tokens", "2", "--prefix-store",
+                                             str(tmp_path)]):  # fmt: skip
+        code = main(argv)
+        _, err = capsys.readouterr()
+        assert code == 2 and err.count("\n") == 1 and "damaged" in err and "Traceback" not in err, (argv, err)
+
+
+def test_an_insert_whose_write_and_clean_up_failed_is_swept_at_once(tmp_path: Path, monkeypatch) -> None:
+    """The entry's file cannot be written and the transaction that would uncount it fails too: its
+    row stays marked as being written by this (live) process. The next insert sweeps it (this
+    process knows it writes nothing there), so no bytes stay counted without a file, and the
+    entry is stored again."""
+    from kvcache.store.backends import StoreUnavailable
+
+    m, tokens = model(), prompt()[0].tolist()
+    store = store_at(tmp_path)
+    backend = store.backend
+    real_write, real_forget = Path.write_bytes, DirectoryBackend._forget
+    monkeypatch.setattr(Path, "write_bytes", lambda self, data: (_ for _ in ()).throw(OSError(28, "No space left")))
+
+    def forget_fails(self, db, key, size, parent):
+        raise StoreUnavailable("the index is locked")
+
+    monkeypatch.setattr(DirectoryBackend, "_forget", forget_fails)
+    with pytest.raises(StoreUnavailable):
+        backend.insert(b"k" * 16, None, b"entry bytes", 11, 0, backend.begin(), 1 << 30)
+    monkeypatch.setattr(Path, "write_bytes", real_write)
+    monkeypatch.setattr(DirectoryBackend, "_forget", real_forget)
+    assert backend.nbytes() == 11 and not entry_files(tmp_path)  # counted, no file behind it
+    store.prefill(m, tokens)  # another insert sweeps it
+    assert backend.nbytes() == directory_bytes(tmp_path) and len(store) == 4
+    assert backend.insert(b"k" * 16, None, b"entry bytes", 11, 0, backend.begin(), 1 << 30).outcome == "stored"

@@ -188,8 +188,9 @@ def test_a_value_that_vanished_is_stored_again(tmp_path: Path, how: str) -> None
 
 
 def test_accounting_cannot_drift(redis_server: Server) -> None:
-    """Two deleters of one entry count it once; a byte counter another program overwrote (or a
-    non-integer stamp) raises nothing and is counted again from what is held."""
+    """Two deleters of one entry count it once; a byte counter another program overwrote (with text,
+    or a number that is not a count) or a non-integer stamp raises nothing and is counted again from
+    what is held."""
     m, ids = model(), prompt()
     s = store(redis_server.url)
     s.prefill(m, ids[0].tolist())
@@ -207,6 +208,9 @@ def test_accounting_cannot_drift(redis_server: Server) -> None:
         warnings.simplefilter("error")
         out = generate(m, ids, max_new_tokens=8, prefix_store=s)
     assert out.sequences.shape[1] == 45 and s.nbytes == redis_bytes(redis_server) and len(s) == 5
+    redis_server.cli("SET", "{kvcache}:bytes", "1.5")  # a number, not a count: recounted, not trusted
+    generate(m, prompt(5), max_new_tokens=8, prefix_store=s)
+    assert s.nbytes == redis_bytes(redis_server) and len(s) > 5
 
 
 def test_a_damaged_entry_is_dropped(redis_server: Server) -> None:

@@ -83,6 +83,7 @@ class DirectoryBackend:
         self.strict = strict
         self._lock = threading.Lock()
         self._writer = f"{_HOST}:{os.getpid()}"
+        self._writing: set[bytes] = set()  # keys this process's inserts are writing now
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             (self.path / "tmp").mkdir(exist_ok=True)
@@ -120,6 +121,9 @@ class DirectoryBackend:
                     if "locked" not in str(exc) or time.monotonic() > deadline:
                         raise StoreUnavailable(f"prefix store {self.path}: its index cannot be opened ({exc})") from exc
                     time.sleep(0.01)
+                except sqlite3.DatabaseError as exc:  # not a database, or a damaged one
+                    raise StoreUnavailable(f"prefix store {self.path}: its index {index} is damaged ({exc}); remove "
+                                           "the directory (or move it aside) to start an empty store") from exc
         for uri in (f"file:{index}?mode=ro", f"file:{index}?immutable=1"):  # read-only: hits still work
             with contextlib.suppress(sqlite3.Error):
                 db = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
@@ -240,6 +244,16 @@ class DirectoryBackend:
                max_bytes: int) -> Inserted:  # fmt: skip
         if not self.writable:
             return Inserted("readonly")
+        with self._lock:
+            self._writing.add(key)
+        try:
+            return self._write(key, parent, record, size, depth, stamp, max_bytes)
+        finally:
+            with self._lock:
+                self._writing.discard(key)
+
+    def _write(self, key: bytes, parent: bytes | None, record: Any, size: int, depth: int, stamp: int,
+               max_bytes: int) -> Inserted:  # fmt: skip
         with self._transaction() as db:
             outcome = self._reserve(db, key, parent, size, depth, stamp, max_bytes)
         if outcome.outcome != "stored":
@@ -267,7 +281,7 @@ class DirectoryBackend:
         row = db.execute("SELECT state, size, parent, writer FROM entries WHERE key = ?", (key,)).fetchone()
         if row is not None:
             state, old_size, old_parent, writer = row
-            if state == WRITING and _alive(writer):
+            if state == WRITING and self._alive(writer, key):
                 return Inserted("exists")  # someone is writing it now
             if state == READY and self._file(key).is_file():
                 db.execute("UPDATE entries SET score = max(score, ?) WHERE key = ?", (score(stamp, depth), key))
@@ -304,12 +318,19 @@ class DirectoryBackend:
                           "LIMIT ?", (limit,)).fetchall()  # fmt: skip
         now = time.time()
         for key, size, parent, writer, started in rows:
-            if (writer is not None and _alive(writer)) and now - (started or 0) < STALE_WRITE_S:
+            if (writer is not None and self._alive(writer, key)) and now - (started or 0) < STALE_WRITE_S:
                 continue
             for leftover in (self.path / "tmp").glob(f"{key.hex()}.*.tmp"):
                 with contextlib.suppress(OSError):
                     leftover.unlink()
             self._forget(db, key, size, parent)
+
+    def _alive(self, writer: str, key: bytes) -> bool:
+        """Whether `writer` may still be writing `key`: this process knows which inserts it runs (one
+        whose write and clean-up both failed left a row no one writes), others are asked by pid."""
+        if writer == self._writer:
+            return key in self._writing
+        return _alive(writer)
 
     def discard(self, key: bytes) -> None:
         if not self.writable:

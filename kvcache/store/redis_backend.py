@@ -31,8 +31,8 @@ from .location import REDIS_SCHEMES, redact
 _SIZE_OF = """
 local function size_of(meta) return tonumber(string.match(meta or '', '|(%d+)$')) or 0 end
 local function held_bytes(meta_key, bytes_key)
-  local v = tonumber(redis.call('GET', bytes_key))
-  if v then return v end
+  local raw = redis.call('GET', bytes_key)
+  if raw and string.match(raw, '^%d+$') then return tonumber(raw) end  -- a count, or recounted
   local total = 0
   for _, m in ipairs(redis.call('HVALS', meta_key)) do total = total + size_of(m) end
   return total
