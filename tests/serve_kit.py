@@ -71,3 +71,39 @@ class ServeProcess:
 
     def log(self) -> str:
         return self.stderr_path.read_text() if self.stderr_path else ""
+
+
+def tiny_model_dir(path: Path, kind: str = "llama") -> Path:
+    """A tiny random transformers model (`kind`: "llama", or "lfm2": short convolutions and
+    attention) and a byte-level BPE tokenizer that adds a BOS, with a chat template, saved as a
+    local transformers model directory (what `--model DIR` loads)."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    bpe.train_from_iterator(["The value of the cache is the sum of its tokens. " * 5, "user assistant system"],
+                            trainer)  # fmt: skip
+    bos = bpe.token_to_id("<s>")  # the tokenizer adds a BOS, as Llama's does
+    bpe.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>",
+                                                     unk_token="<unk>")  # fmt: skip
+    tokenizer.chat_template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}<|assistant|>{% endif %}")  # fmt: skip
+    torch.manual_seed(0)
+    common = {"vocab_size": 300, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "eos_token_id": 2, "bos_token_id": 1}  # fmt: skip
+    if kind == "lfm2":
+        config = transformers.Lfm2Config(**common, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"])
+        transformers.Lfm2ForCausalLM(config).save_pretrained(path)
+    else:
+        config = transformers.LlamaConfig(**common, num_hidden_layers=2)
+        transformers.LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

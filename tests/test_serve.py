@@ -28,7 +28,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-from serve_kit import ServeProcess  # noqa: E402
+from serve_kit import ServeProcess, tiny_model_dir  # noqa: E402
 
 from kvcache.generation import generate  # noqa: E402
 from kvcache.models import load_default_model  # noqa: E402
@@ -195,7 +195,7 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_row(server) -> None:
     while server.health()["running"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert server.health() | {"model": 0} == {"status": "ok", "model": 0, "waiting": 0, "prefilling": 0, "running": 0,
-                                               "batch_cache": 0}  # fmt: skip
+                                               "batch_cache": 0, "store_writes_pending": 0}  # fmt: skip
 
 
 def test_sigterm_lets_in_flight_requests_finish(tmp_path: Path, reference) -> None:
@@ -248,34 +248,6 @@ def test_prompt_lookup_speculation_gives_each_row_its_run_alone(tmp_path: Path, 
         assert process.terminate() == 0
 
 
-def _tiny_transformers_dir(path: Path) -> Path:
-    """A tiny random Llama and a byte-level BPE tokenizer with a chat template, saved as a local
-    transformers model directory (what `--model DIR` loads)."""
-    transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
-    bpe.train_from_iterator(["The value of the cache is the sum of its tokens. " * 5, "user assistant system"],
-                            trainer)  # fmt: skip
-    bos = bpe.token_to_id("<s>")  # the tokenizer adds a BOS, as Llama's does
-    bpe.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>",
-                                                     unk_token="<unk>")  # fmt: skip
-    tokenizer.chat_template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
-                               "{% if add_generation_prompt %}<|assistant|>{% endif %}")  # fmt: skip
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=2,
-                                      bos_token_id=1)  # fmt: skip
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 def test_a_transformers_model_directory_is_served(tmp_path: Path) -> None:
     """`--model DIR`: completions equal `generate(wrap_model(model))` of the prompt alone (encoded as
     the tokenizer does by default: with its BOS), also four at once; chat uses the tokenizer's own
@@ -284,7 +256,7 @@ def test_a_transformers_model_directory_is_served(tmp_path: Path) -> None:
 
     from kvcache.integrations.transformers import wrap_model
 
-    where = _tiny_transformers_dir(tmp_path / "tiny-llama")
+    where = tiny_model_dir(tmp_path / "tiny-llama")
     model = wrap_model(AutoModelForCausalLM.from_pretrained(where, dtype=torch.float64).eval())
     tokenizer = AutoTokenizer.from_pretrained(where)
 

@@ -116,6 +116,11 @@ class TransformersCausalLM(_GenerationDefaults):
         return self.model(input_ids=input_ids, **kwargs).logits
 
 
+#: Layer types whose mask is only a padding mask over the new tokens (gated delta rule, LFM2's short
+#: convolutions): transformers passes them none for tokens that are never padding.
+STATE_LAYER_TYPES = frozenset({"linear_attention", "conv"})
+
+
 def ragged_masks(
     config: Any, cache: Cache, attention_mask: torch.Tensor | None, query_length: int, dtype: torch.dtype,
     device: torch.device,
@@ -130,13 +135,13 @@ def ragged_masks(
 
     text = config.get_text_config(decoder=True)
     types = list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
-    unknown = sorted(set(types) - {"full_attention", "sliding_attention", "linear_attention"})
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention", *STATE_LAYER_TYPES})
     if unknown:
         raise CacheInputError(f"rows of different lengths: no mask for layer types {unknown} ({type(config).__name__})")
     past = cache.get_seq_lengths().to(device)
     masks: dict[str, torch.Tensor] = {}
     for layer_idx, kind in enumerate(types):
-        if kind == "linear_attention":  # padding only ever precedes the prompt: no mask for new tokens
+        if kind in STATE_LAYER_TYPES:  # padding only ever precedes the prompt: no mask for new tokens
             masks.setdefault(kind, None)  # type: ignore[arg-type]
         elif kind not in masks:
             kv_length, kv_offset = cache.get_mask_sizes(query_length, layer_idx)

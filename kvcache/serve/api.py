@@ -201,7 +201,9 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
         return JSONResponse(card)
 
     async def health(http: HttpRequest) -> Response:
-        return JSONResponse({"status": "ok", "model": served.name, **engine.active})
+        writer = engine.store.writer
+        return JSONResponse({"status": "ok", "model": served.name, **engine.active,
+                             "store_writes_pending": 0 if writer is None else writer.pending})  # fmt: skip
 
     async def metrics_text(http: HttpRequest) -> Response:
         return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")

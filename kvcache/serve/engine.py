@@ -78,6 +78,22 @@ class Request:
         self.cancelled = True
 
 
+def _holds_recurrent_states(model: Any, device: torch.device) -> bool:
+    """Whether `model`'s cache holds a recurrent state after a token (Mamba, gated delta rule):
+    conv windows alone (LFM2's short convolutions) roll back token by token anyway."""
+    cache = model.new_cache()
+    with torch.no_grad():
+        model(torch.zeros(1, 1, dtype=torch.long, device=device), cache=cache,
+              position_ids=torch.zeros(1, 1, dtype=torch.long, device=device))  # fmt: skip
+    for layer in cache:
+        part = getattr(layer, "recurrent", layer)
+        if hasattr(part, "get_recurrent_state") and any(
+            part.get_recurrent_state(s) is not None for s in range(part.num_states)
+        ):  # fmt: skip
+            return True
+    return False
+
+
 def asyncio_sink(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> Callable[[tuple[str, Any]], None]:
     """An `on_event` that hands the engine's events to `queue` on `loop` (thread-safe)."""
     return lambda event: loop.call_soon_threadsafe(queue.put_nowait, event)
@@ -114,10 +130,11 @@ class Engine:
             from ..generation.switches import row_states
 
             able, switch = row_states(model, None)
-            if not able and any(layer.has_recurrent for layer in model.new_cache()):
+            if not able and _holds_recurrent_states(model, self.device):
                 raise CacheInputError(
-                    f"--speculative: {type(model).__name__} cannot record every token's recurrent state in a "
-                    "verify forward (no set_return_intermediate_states / set_per_token_recurrence)"
+                    f"--speculative: {type(model).__name__} has recurrent layers whose state kvcache cannot take "
+                    "token by token in a verify forward, so a rejected draft could not be rolled back; serve it "
+                    "without --speculative"
                 )
             switch(True)  # for the server's lifetime
 

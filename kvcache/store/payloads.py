@@ -97,6 +97,10 @@ def canonical(layer: CacheLayer) -> CacheLayer:
     for slot in getattr(copy, "_slots", ()):
         slot.conv_from_empty = True  # likewise (`activate_past_recording` sets it anew)
         slot.spare.clear()
+        # at a boundary every step is whole; a conv-only slot (LFM2's short conv) still counts its
+        # last conv update as awaiting a recurrent update that never comes: a prefill chunk's 16, a
+        # decode step's 1. That count changes nothing that follows, so one form: none open.
+        slot.open_tokens = slot.open_at_commit = None
     return copy
 
 

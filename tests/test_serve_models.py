@@ -1,0 +1,147 @@
+"""`kvcache serve` on local transformers model directories as users deploy them: LFM2 (short
+convolutions and attention) served with its chat turns reused and with prompt-lookup
+speculation; the same weights at another path sharing one store; two servers sharing a 3-node
+Redis Cluster, a chat alternating between them. Every greedy answer equals the prompt decoded
+alone (float64: see tests/test_serve.py for why)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("transformers")
+
+from serve_kit import ServeProcess, tiny_model_dir  # noqa: E402
+
+from kvcache.generation import generate  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def reference(where: Path):
+    """`alone(ids, n)`: the greedy continuation of token ids decoded by themselves."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvcache.integrations.transformers import wrap_model
+
+    model = wrap_model(AutoModelForCausalLM.from_pretrained(where, dtype=torch.float64).eval())
+    tokenizer = AutoTokenizer.from_pretrained(where)
+
+    def ids(prompt: list[int], n: int) -> list[int]:
+        return generate(model, torch.tensor([prompt]), max_new_tokens=n).sequences[0, len(prompt) :].tolist()
+
+    def alone(text: str, n: int, special: bool = True) -> str:
+        return tokenizer.decode(ids(tokenizer.encode(text, add_special_tokens=special), n), skip_special_tokens=True)
+
+    alone.ids = ids  # type: ignore[attr-defined]
+    return alone, tokenizer
+
+
+def client(process: ServeProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{process.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def settled(process: ServeProcess) -> None:
+    """Wait (bounded) until the server's store writer has written what it was handed."""
+    deadline = time.monotonic() + 10
+    while process.health()["store_writes_pending"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def chat(c: openai.OpenAI, name: str, messages: list[dict], n: int):
+    return c.chat.completions.create(model=name, messages=messages, max_tokens=n, temperature=0)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_lfm2_is_served_its_turns_reused_with_and_without_speculation(tmp_path: Path, speculative: bool) -> None:
+    where = tiny_model_dir(tmp_path / "tiny-lfm2", "lfm2")
+    alone, tokenizer = reference(where)
+    ids_alone = alone.ids
+    flags = ["--speculative", "4"] if speculative else []
+    process = ServeProcess("--model", str(where), "--dtype", "float64", "--threads", "1", *flags)
+    process.start(tmp_path / "stderr.log")
+    try:
+        c = client(process)
+        prompts = ["The value of the cache is the", "the sum of its tokens. " * 3, "The cache is", "tokens. The"]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda p: c.completions.create(model="tiny-lfm2", prompt=p, max_tokens=24,
+                                                               temperature=0).choices[0].text, prompts))  # fmt: skip
+        assert got == [alone(p, 24) for p in prompts]
+        # a second turn: the first prompt and its answer, as token ids, then more; the chunks
+        # stored while the answer was decoded are taken (all but the tail of the last one)
+        first_ids = tokenizer.encode("The value of the cache is the sum of its tokens.")
+        first = c.completions.create(model="tiny-lfm2", prompt=first_ids, max_tokens=40, temperature=0)
+        answer_ids = ids_alone(first_ids, 40)
+        assert first.choices[0].text == tokenizer.decode(answer_ids, skip_special_tokens=True)
+        settled(process)
+        second_ids = first_ids + answer_ids + tokenizer.encode(" The sum?", add_special_tokens=False)
+        second = c.completions.create(model="tiny-lfm2", prompt=second_ids, max_tokens=8, temperature=0)
+        assert second.choices[0].text == tokenizer.decode(ids_alone(second_ids, 8), skip_special_tokens=True)
+        assert second.usage.prompt_tokens_details.cached_tokens == (len(first_ids) + 40 - 1) // 16 * 16
+    finally:
+        assert process.terminate() == 0
+    assert "dropped" not in process.log() and "Traceback" not in process.log()
+
+
+def test_the_same_weights_at_another_path_share_a_store(tmp_path: Path) -> None:
+    where = tiny_model_dir(tmp_path / "a" / "tiny-llama")
+    copy = tmp_path / "b" / "tiny-llama"
+    shutil.copytree(where, copy)
+    store = str(tmp_path / "store")
+    prompt = "The value of the cache is the sum of its tokens. " * 4
+    answers, cached = [], []
+    for model_dir in (where, copy):
+        process = ServeProcess("--model", str(model_dir), "--dtype", "float64", "--threads", "1",
+                               "--prefix-store", store)  # fmt: skip
+        process.start(tmp_path / f"{model_dir.parent.name}.log")
+        try:
+            answer = client(process).completions.create(model="tiny-llama", prompt=prompt, max_tokens=8, temperature=0)
+            answers.append(answer.choices[0].text)
+            cached.append(answer.usage.prompt_tokens_details.cached_tokens)
+        finally:
+            assert process.terminate() == 0
+    assert answers[0] == answers[1] and cached[0] == 0
+    assert cached[1] == (answer.usage.prompt_tokens - 1) // 16 * 16 > 0
+
+
+def test_two_servers_on_a_redis_cluster_share_a_chat(tmp_path: Path, redis_cluster) -> None:
+    """Scale-out: two servers on one 3-node Redis Cluster; a chat whose turns alternate between
+    them reuses the previous turns on either, and every answer is what one server alone gives."""
+    where = tiny_model_dir(tmp_path / "tiny-llama")
+    alone, tokenizer = reference(where)
+    url = redis_cluster.url
+    servers = [ServeProcess("--model", str(where), "--dtype", "float64", "--threads", "1", "--prefix-store", url)
+               for _ in range(2)]  # fmt: skip
+    single = ServeProcess("--model", str(where), "--dtype", "float64", "--threads", "1")  # a memory store
+    for i, process in enumerate([*servers, single]):
+        process.start(tmp_path / f"serve{i}.log")
+    try:
+        runs = []
+        for chosen in ([single] * 4, [servers[turn % 2] for turn in range(4)]):
+            messages = [{"role": "system", "content": "The value of the cache is the sum of its tokens. " * 3}]
+            run = []
+            for turn, process in enumerate(chosen):
+                messages.append({"role": "user", "content": f"The sum of the tokens {turn}?"})
+                answer = chat(client(process), "tiny-llama", messages, 20)
+                text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                assert answer.choices[0].message.content == alone(text, 20, special=False)
+                run.append((answer.usage.prompt_tokens, answer.usage.prompt_tokens_details.cached_tokens))
+                messages.append({"role": "assistant", "content": answer.choices[0].message.content})
+                settled(process)
+            runs.append(run)
+    finally:
+        for process in [*servers, single]:
+            assert process.terminate() == 0
+    # the alternating servers reuse what one server alone reuses, turn by turn: at least every
+    # whole chunk of the previous turn's prompt (an answer re-encoded from its text may split
+    # into other tokens than were decoded, so the answer's own chunks are not promised)
+    assert runs[1] == runs[0]
+    for (before, _), (_, cached) in zip(runs[1], runs[1][1:], strict=False):
+        assert cached >= before // 16 * 16 > 0
