@@ -51,8 +51,8 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="model dtype (default: the model's own)")
     parser.add_argument("--threads", type=int, default=None,
-                        help="CPU threads for torch (default: one fewer than torch's default, at least 1: the HTTP "
-                        "side needs a core of its own)")
+                        help="CPU threads for torch (default: torch's, one per core; measured the fastest with the "
+                        "HTTP side on the same cores)")
     parser.add_argument("--shutdown-timeout", type=float, default=10.0,
                         help="seconds in-flight requests may take to finish after SIGTERM (default 10)")
     parser.add_argument("--keep-alive", type=float, default=30.0,
@@ -128,12 +128,6 @@ def api_key(args: argparse.Namespace) -> str | None:
     return key
 
 
-def default_threads() -> int:
-    """Torch's threads for serving: one fewer than torch's default (one per core), at least one,
-    so the HTTP side and its clients keep a core (`benchmarks/serve.py` measured it)."""
-    import torch
-
-    return max(1, torch.get_num_threads() - 1)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -160,9 +154,10 @@ def run(args: argparse.Namespace) -> int:
     for name in ("keep_alive", "shutdown_timeout"):
         if not getattr(args, name) > 0:  # NaN too
             raise GenerationError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(args, name)}")
-    if args.threads is not None and args.threads < 1:
-        raise GenerationError(f"--threads must be >= 1, got {args.threads}")
-    torch.set_num_threads(args.threads or default_threads())
+    if args.threads is not None:
+        if args.threads < 1:
+            raise GenerationError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     key = api_key(args)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     served = from_directory(args.model, dtype) if args.model else bundled(dtype or torch.float32)

@@ -56,6 +56,10 @@ class Completion:
         try:
             while True:
                 kind, value = await self.queue.get()
+                # tokens that came together make one piece (a stop string is looked for token by token)
+                while kind == "token" and not self.stops and not self.queue.empty():
+                    self.tokens.append(value)
+                    kind, value = self.queue.get_nowait()
                 if kind == "error":
                     raise ApiError(500, f"generation failed: {value}")
                 if kind == "unavailable":

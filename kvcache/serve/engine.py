@@ -94,9 +94,25 @@ def _holds_recurrent_states(model: Any, device: torch.device) -> bool:
     return False
 
 
-def asyncio_sink(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> Callable[[tuple[str, Any]], None]:
-    """An `on_event` that hands the engine's events to `queue` on `loop` (thread-safe)."""
-    return lambda event: loop.call_soon_threadsafe(queue.put_nowait, event)
+class AsyncioSink:
+    """An `on_event` that hands the engine's events to `queue` on `loop` (thread-safe). The engine
+    collects the events of one turn for every such sink and hands them over in one call per event
+    loop (`Engine._flush`): one wake-up of the web server per step, not one per row and token."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:
+        self.loop, self.queue = loop, queue
+
+    def __call__(self, event: tuple[str, Any]) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+
+def asyncio_sink(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> AsyncioSink:
+    return AsyncioSink(loop, queue)
+
+
+def _deliver(items: list[tuple[asyncio.Queue, tuple[str, Any]]]) -> None:
+    for queue, event in items:
+        queue.put_nowait(event)
 
 
 class Engine:
@@ -124,6 +140,7 @@ class Engine:
         self._pads: list[int] = []
         self._cache: Cache | None = None
         self._stopping = False
+        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, tuple[str, Any]]]] = {}
         self._ids = itertools.count(1)
         self._thread = threading.Thread(target=self._run, name="kvcache-engine", daemon=True)
         if speculative:
@@ -182,13 +199,15 @@ class Engine:
             except Exception as exc:  # a bug or an unusable model: every request learns why, the loop goes on
                 traceback.print_exc()
                 for request in [*self._prefilling, *self._ready, *self._rows]:
-                    request.on_event(("error", f"{type(exc).__name__}: {exc}"))
+                    self._send(request, ("error", f"{type(exc).__name__}: {exc}"))
                 self._prefilling.clear()
                 self._ready.clear()
                 self._drop_batch()
+            self._flush()
         for request in [*self._inbox, *self._prefilling, *self._ready, *self._rows]:
-            request.on_event(("unavailable", "the server is shutting down: the request was not finished"))
+            self._send(request, ("unavailable", "the server is shutting down: the request was not finished"))
         self._drop_batch()
+        self._flush()
 
     def _turn(self) -> None:
         self._drop_cancelled()
@@ -326,7 +345,7 @@ class Engine:
         request.tokens.append(token)
         request.pending = token
         self.metrics.generated_tokens.inc()
-        request.on_event(("token", token))
+        self._send(request, ("token", token))
         if token in self.eos or token in request.stop_ids:
             self._finish(request, "stop")
         elif len(request.tokens) >= request.max_tokens:
@@ -335,14 +354,27 @@ class Engine:
     def _finish(self, request: Request, reason: str) -> None:
         request.finish_reason = reason
         request.cache = None
-        request.on_event(("done", reason))
+        self._send(request, ("done", reason))
 
     def _fail(self, request: Request, exc: Exception) -> None:
         """End `request` alone with an error event (logged here: it is a bug or a bad model)."""
         traceback.print_exc()
         request.finish_reason = "error"
         request.cache = None
-        request.on_event(("error", f"{type(exc).__name__}: {exc}"))
+        self._send(request, ("error", f"{type(exc).__name__}: {exc}"))
+
+    def _send(self, request: Request, event: tuple[str, Any]) -> None:
+        sink = request.on_event
+        if isinstance(sink, AsyncioSink):
+            self._outbox.setdefault(sink.loop, []).append((sink.queue, event))
+        else:
+            sink(event)
+
+    def _flush(self) -> None:
+        """Hand this turn's events to their event loops, one call per loop."""
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
+            loop.call_soon_threadsafe(_deliver, items)
 
     def finish_early(self, request: Request, reason: str = "stop") -> None:
         """Called from the web side when a stop string appeared: the row leaves at its next step."""
