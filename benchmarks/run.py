@@ -40,6 +40,7 @@ def scenarios() -> dict[str, Callable[[str], Section]]:
     from benchmarks.scenarios_io import generation_scenario, persistence_scenario
     from benchmarks.scenarios_layers import append_scenario, memory_scenario, rollback_scenario
     from benchmarks.serve import serve_scenario
+    from benchmarks.serve_anchor import serve_anchor_scenario
     from benchmarks.startup import startup_scenario
     from benchmarks.stateful_speculation import speculation_scenario
 
@@ -58,6 +59,7 @@ def scenarios() -> dict[str, Callable[[str], Section]]:
         "serve": serve_scenario,
         "quantized": quantized_scenario,
         "prefill": prefill_scenario,
+        "serve_anchor": serve_anchor_scenario,
     }
 
 

@@ -266,13 +266,18 @@ def chat_turns(mode: str, tmp: Path) -> tuple[Table, list[Target], dict[str, Any
 
 def serve_anchor_scenario(mode: str) -> Section:
     section = Section("serve_anchor", "12. kvcache serve against transformers serve", (__doc__ or "").split("\n\n")[1])
+    missing = None
     if shutil.which("transformers") is None:
-        section.setup += " Not run: `transformers serve` is not installed here."
-        return section
-    try:
-        import fastapi  # noqa: F401  (transformers serve's own dependency)
-    except ImportError:
-        section.setup += ' Not run: transformers\' serving extra is missing (pip install "transformers[serving]").'
+        missing = "transformers is not installed"
+    else:
+        try:
+            import fastapi  # noqa: F401  (transformers serve's own dependency)
+        except ImportError:
+            missing = 'transformers\' serving extra is missing (pip install "transformers[serving]")'
+    if missing is not None:
+        table = Table("kvcache serve against transformers serve: not run", ["why"])
+        table.add(missing)
+        section.tables.append(table)
         return section
     with tempfile.TemporaryDirectory() as tmp:
         kinds = ("llama",) if mode == "smoke" else ("llama", "lfm2")

@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = [
     "append", "rollback", "memory", "persistence", "generation", "first_step", "speculation", "per_call",
-    "prefix_store", "batch_speculation", "startup", "serve", "quantized", "prefill",
+    "prefix_store", "batch_speculation", "startup", "serve", "quantized", "prefill", "serve_anchor",
 ]  # fmt: skip
 
 sys.path.insert(0, str(ROOT))
@@ -134,7 +134,7 @@ def test_only_and_script_entry_point(tmp_path: Path) -> None:
     )
     assert helped.returncode == 0 and "--quick" in helped.stdout
     for script in ("batch_speculation", "per_call", "prefix_store", "stateful_speculation", "startup", "serve",
-                   "quantized"):
+                   "quantized", "serve_anchor"):
         shown = subprocess.run([sys.executable, f"benchmarks/{script}.py", "--help"], cwd=ROOT, capture_output=True,
                                text=True, timeout=120)  # fmt: skip
         assert shown.returncode == 0 and "--quick" in shown.stdout, (script, shown.stderr[-2000:])
