@@ -140,9 +140,10 @@ def ttft_table(mode: str, url: str) -> tuple[Table, list[Target], dict[str, Any]
     return table, targets, {"ttft": t}
 
 
-def cold_store_table(mode: str) -> tuple[Table, list[Target], dict[str, Any]]:
+def cold_store_table(mode: str, url: str = "") -> tuple[Table, list[Target], dict[str, Any]]:
     """A cold 1,000-character prompt through the server's engine with each store backend, against
-    the same prompt's prefill (one forward, its first token) with no store at all."""
+    the same prompt's prefill (one forward, its first token) with no store at all (in-process:
+    `url`, the running server's, is not used)."""
     import threading
 
     from kvcache.generation.sampling import Sampling

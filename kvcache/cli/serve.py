@@ -51,8 +51,8 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="model dtype (default: the model's own)")
     parser.add_argument("--threads", type=int, default=None,
-                        help="CPU threads for torch (default: torch's, one per core; measured the fastest with the "
-                        "HTTP side on the same cores)")
+                        help="CPU threads for torch (default: one fewer than the cores, at least 1: the HTTP side "
+                        "keeps a core)")
     parser.add_argument("--shutdown-timeout", type=float, default=10.0,
                         help="seconds in-flight requests may take to finish after SIGTERM (default 10)")
     parser.add_argument("--keep-alive", type=float, default=30.0,
@@ -130,6 +130,16 @@ def api_key(args: argparse.Namespace) -> str | None:
 
 
 
+def default_threads() -> int:
+    """Torch's threads for serving: one fewer than torch's default (one per core), at least one, so
+    the HTTP side keeps a core: on the 2-core machine time to first token at 8 and 32 clients was
+    0.73x-0.81x of transformers serve's with one thread and 1.19x-1.40x with two
+    (`benchmarks/serve_anchor.py`; tokens/s moved less than the runs' noise)."""
+    import torch
+
+    return max(1, torch.get_num_threads() - 1)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
@@ -154,10 +164,9 @@ def run(args: argparse.Namespace) -> int:
     for name in ("keep_alive", "shutdown_timeout"):
         if not getattr(args, name) > 0:  # NaN too
             raise GenerationError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(args, name)}")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise GenerationError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    if args.threads is not None and args.threads < 1:
+        raise GenerationError(f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads or default_threads())
     key = api_key(args)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     served = from_directory(args.model, dtype) if args.model else bundled(dtype or torch.float32)
