@@ -82,19 +82,12 @@ class Server:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)  # fmt: skip
-        import httpx
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        from serve_kit import wait_healthy  # the tests' bounded start (serve.py uses their server too)
 
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"{argv[:3]} did not start: {log.read_text()[-1500:]}")
-            time.sleep(0.2)
+        if not wait_healthy(self.url, self.proc, 180):
+            self.stop()
+            raise RuntimeError(f"{argv[:3]} did not start: {log.read_text()[-1500:]}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -16,6 +16,20 @@ from servers import free_port
 START_TIMEOUT_S = 60.0
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> bool:
+    """Poll `url`/health until it answers 200 (True), the process exits or `timeout_s` passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+
+
 class ServeProcess:
     def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
@@ -32,17 +46,10 @@ class ServeProcess:
         self.stderr_path = log
         argv = [sys.executable, "-m", "kvcache", "serve", "--port", str(self.port), *self.args]
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log.open("w"), env=self.env, text=True)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"kvcache serve did not start: {log.read_text()[-2000:]}")
-            time.sleep(0.1)
+        if not wait_healthy(self.url, self.proc, START_TIMEOUT_S):
+            self.stop()
+            raise RuntimeError(f"kvcache serve did not start: {log.read_text()[-2000:]}")
+        return self
 
     def health(self) -> dict:
         return httpx.get(f"{self.url}/health", timeout=10).json()
