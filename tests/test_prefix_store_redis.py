@@ -19,6 +19,7 @@ import torch
 from servers import Server, free_port, need_redis_server
 from store_kit import CHUNK, ROOT, check_workers, chunked_reference, model, prompt, redis_bytes, run_workers
 
+import kvcache.store.prefix_store as prefix_store_module
 from kvcache import CacheFormatError, KVCacheError
 from kvcache.generation import generate
 from kvcache.store import PrefixStore, RedisBackend
@@ -118,10 +119,15 @@ def test_a_stopped_server_is_a_miss_not_a_hang_and_is_used_again_after_the_back_
     assert s.stats.hits == 1
 
 
-def test_a_hung_server_costs_about_one_timeout_per_request(redis_server: Server) -> None:
+def test_a_hung_server_costs_about_one_timeout_per_request(
+    redis_server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """SIGSTOP: the server accepts connections and never answers. A 20-chunk prompt costs one
-    timeout (then the request leaves the store alone), the next request none (the back-off), and
-    the output is the cold run's. Costs are measured against the same chunked prefill without a store."""
+    timeout (then the request leaves the store alone), the next requests none (the back-off), and
+    the output is the cold run's. Costs are measured against the same chunked prefill without a
+    store; the later requests are timed three times and the fastest kept, so that a load spike on
+    a shared machine is not read as a timeout (a timeout would be in every one of them)."""
+    monkeypatch.setattr(prefix_store_module, "BACKOFF_MIN_S", 30.0)  # outlasts the timed runs
     m, ids = model(), prompt(2, 20 * CHUNK + 1)
     cold = generate(m, ids, max_new_tokens=4)
     timeout = 0.2
@@ -133,9 +139,11 @@ def test_a_hung_server_costs_about_one_timeout_per_request(redis_server: Server)
         with pytest.warns(UserWarning, match="unavailable"):
             out = generate(m, ids, max_new_tokens=4, prefix_store=s)
         first = time.monotonic() - start
-        start = time.monotonic()
-        second_out = generate(m, ids, max_new_tokens=4, prefix_store=s)
-        second = time.monotonic() - start
+        later, later_outs = [], []
+        for _ in range(3):
+            start = time.monotonic()
+            later_outs.append(generate(m, ids, max_new_tokens=4, prefix_store=s).sequences.tolist())
+            later.append(time.monotonic() - start)
     finally:
         redis_server.resume()
     # What the request computes without the store's I/O: the prompt fed chunk by chunk, as a store
@@ -145,10 +153,10 @@ def test_a_hung_server_costs_about_one_timeout_per_request(redis_server: Server)
         started = time.monotonic()
         chunked_reference(m, ids, 4)
         plain.append(time.monotonic() - started)
-    plain = sorted(plain)[1]
-    assert out.sequences.tolist() == second_out.sequences.tolist() == cold.sequences.tolist()
-    assert first < plain + 2.5 * timeout, (first, plain)
-    assert second < plain + 0.5 * timeout, (second, plain)
+    assert out.sequences.tolist() == cold.sequences.tolist()
+    assert all(o == cold.sequences.tolist() for o in later_outs)
+    assert first < sorted(plain)[1] + 2.5 * timeout, (first, plain)
+    assert min(later) < min(plain) + 0.5 * timeout, (later, plain)
     assert s.stats.unavailable == 1
 
 
