@@ -81,9 +81,10 @@ class ServeProcess:
 
 
 def tiny_model_dir(path: Path, kind: str = "llama") -> Path:
-    """A tiny random transformers model (`kind`: "llama", or "lfm2": short convolutions and
-    attention) and a byte-level BPE tokenizer that adds a BOS, with a chat template, saved as a
-    local transformers model directory (what `--model DIR` loads)."""
+    """A tiny random transformers model (`kind`: "llama"; "gemma3": sliding-window and full
+    attention; "lfm2": short convolutions and attention) and a byte-level BPE tokenizer that adds
+    a BOS, with a chat template, saved as a local transformers model directory (what `--model DIR`
+    loads)."""
     import pytest
 
     transformers = pytest.importorskip("transformers")
@@ -109,6 +110,11 @@ def tiny_model_dir(path: Path, kind: str = "llama") -> Path:
     if kind == "lfm2":
         config = transformers.Lfm2Config(**common, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"])
         transformers.Lfm2ForCausalLM(config).save_pretrained(path)
+    elif kind == "gemma3":
+        config = transformers.Gemma3TextConfig(**common, num_hidden_layers=3, head_dim=8, sliding_window=6,
+                                               layer_types=["sliding_attention", "full_attention",
+                                                            "sliding_attention"])  # fmt: skip
+        transformers.Gemma3ForCausalLM(config).save_pretrained(path)
     else:
         config = transformers.LlamaConfig(**common, num_hidden_layers=2)
         transformers.LlamaForCausalLM(config).save_pretrained(path)

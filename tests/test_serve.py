@@ -311,7 +311,11 @@ def test_bad_flags_are_one_line_errors(capsys) -> None:
 
     for argv, words in ((["--keep-alive", "0"], "--keep-alive must be > 0"),
                         (["--shutdown-timeout", "nan"], "--shutdown-timeout must be > 0"),
-                        (["--port", "70000"], "--port must be in"), (["--max-batch", "0"], "--max-batch must be >= 1")):
+                        (["--port", "70000"], "--port must be in"), (["--max-batch", "0"], "--max-batch must be >= 1"),
+                        (["--prompt-lookup", "0"], "--prompt-lookup must be >= 1"),
+                        (["--speculative", "2", "--prompt-lookup", "3"], "one setting"),
+                        (["--device", "tpu"], "--device 'tpu'"),
+                        *([] if torch.cuda.is_available() else [(["--device", "cuda"], "CUDA is not available")])):
         code = main(["serve", *argv])
         out, err = capsys.readouterr()
         assert (code, out) == (2, "") and err.count("\n") == 1 and words in err, (argv, err)

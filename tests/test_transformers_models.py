@@ -403,6 +403,20 @@ def test_driver_left_padded_batch_equals_transformers_generate(kind: str) -> Non
     assert torch.equal(out.sequences, expected)
 
 
+@pytest.mark.parametrize("kind", [k for k in KINDS if k not in ("bart", "t5")])
+def test_driver_takes_a_static_cache_of_every_layer_kind(kind: str) -> None:
+    """`generate` takes the static cache of every decoder-only family (static sliding windows and
+    recurrent states included), as transformers' `generate(cache_implementation="static")` does,
+    and gives that run's tokens, with the stop check deferred or not."""
+    model, source = tiny_model(kind), prompt()
+    expected = model.generate(source, max_new_tokens=DECODE_STEPS, do_sample=False, cache_implementation="static")
+    for defer in (False, True):
+        cache = cache_from_config(model.config, static=True, max_cache_len=64)
+        out = our_generate(model, source, cache=cache, max_new_tokens=DECODE_STEPS, defer_stop=defer)
+        assert torch.equal(out.sequences, expected), f"defer_stop={defer}"
+        assert out.cache is cache and cache.get_seq_length() == expected.shape[1] - 1
+
+
 @pytest.mark.parametrize("kind", ["gemma3", "mamba2", "t5"])
 def test_transformers_generate_runs_on_a_kvcache_cache(kind: str) -> None:
     """transformers' own generate() with a kvcache cache gives its usual output, and fills our cache."""

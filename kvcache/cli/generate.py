@@ -1,5 +1,6 @@
-"""`kvcache generate PROMPT`: stream text from the bundled default model, optionally saving or
-resuming from the prompt's cache.
+"""`kvcache generate PROMPT`: stream text from the bundled default model or a local transformers
+directory (`--model DIR`), on any device, optionally speculative (`--draft-model`,
+`--prompt-lookup`), saving or resuming from the prompt's cache.
 
 Stdout carries only the generated text; what was reused and how fast it ran goes to stderr.
 
@@ -14,13 +15,13 @@ uninterrupted run makes from there on, and prints exactly the same text.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from ..errors import GenerationError
+from .model_args import add_model_arguments, check_model_arguments, load_drafter, load_model
 
 DEFAULT_MAX_NEW_TOKENS = 200
 DEFAULT_TEMPERATURE = 0.8
@@ -33,10 +34,14 @@ PREFILL_BLOCK = 256
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "generate",
-        help="stream text from the bundled character-level model",
-        description="Stream text from the bundled character-level model. Stdout: the generated text only.",
+        help="stream text from the bundled model or a local transformers model",
+        description="Stream text from the bundled character-level model (or --model DIR, a local transformers "
+        "model). Stdout: the generated text only.",
     )
     parser.add_argument("prompt", help="the text to continue ('-' reads it from standard input)")
+    add_model_arguments(parser, draft_model=True)
+    parser.add_argument("--chat", action="store_true",
+                        help="send the prompt as a user message through the model's chat template")
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
                         help=f"tokens to generate (default {DEFAULT_MAX_NEW_TOKENS}; 0 only builds the prompt's cache)")
     parser.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE,
@@ -57,8 +62,6 @@ def add_parser(subparsers: Any) -> None:
                         f"${KEY_ENV}); never pass a key on the command line")
     parser.add_argument("--prefix-store-bytes", type=int, default=1 << 30, metavar="N",
                         help="the store's byte budget (default 1 GiB); least recently used prefixes go first")
-    parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default="float32",
-                        help="the model's dtype (default float32)")
     parser.add_argument("--kv-bits", type=int, choices=(8, 4), default=None,
                         help="quantize the attention cache to 8 or 4 bits (groups of 64 along head_dim; the most "
                         "recent 32 to 63 tokens stay in full precision); default: full precision")
@@ -72,15 +75,6 @@ def add_parser(subparsers: Any) -> None:
     parser.error = one_line_error  # type: ignore[method-assign]
 
 
-def model_id(weights_dir: Path) -> str:
-    """Names the bundled model by the hash of its weights and config, so a cache saved with other
-    weights is refused."""
-    digest = hashlib.sha256()
-    for name in ("default.json", "default.safetensors"):
-        digest.update((weights_dir / name).read_bytes())
-    return f"kvcache-default-{digest.hexdigest()[:16]}"
-
-
 #: The library's parameter names that `kvcache generate` sets from flags of other names.
 FLAG_NAMES = {"max_bytes": "--prefix-store-bytes"}
 #: The environment variable a store key may come from (a flag would show it to `ps`).
@@ -90,12 +84,10 @@ KEY_ENV = "KVCACHE_PREFIX_STORE_KEY"
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ..generation import TextStreamer, generate
-    from ..generation.blocks import prefill_blocks, whole_blocks
+    from ..devices import resolve_device
+    from ..generation import TextStreamer, generate, speculative_generate
     from ..generation.sampling import Sampling
-    from ..models import default
-    from ..persistence import load_cache, save_cache
-    from ..progress import Progress
+    from ..persistence import load_cache
 
     if args.max_new_tokens < 0:
         raise GenerationError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
@@ -105,42 +97,78 @@ def run(args: argparse.Namespace) -> int:
         raise GenerationError(f"--threads must be >= 1, got {args.threads}")
     if args.prefix_store and args.cache:
         raise GenerationError("--prefix-store and --cache are alternatives: give one")
+    check_model_arguments(args)
     sampling = args.temperature > 0
     Sampling(sampling, args.temperature, args.top_k, args.top_p)  # checked before any work
-    store = _open_store(args) if args.prefix_store else None  # a bad location or budget fails before the model loads
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not text:
         raise GenerationError("the prompt is empty")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    loaded = load_cache(args.cache, return_metadata=True) if args.cache else None  # a bad file fails fast
-    model, tokenizer = default.load_default_model(weights_dir=default.WEIGHTS_DIR, dtype=getattr(torch, args.dtype))
-    model.kv_bits = args.kv_bits  # new_cache() builds quantized attention layers (the store's too)
-    unknown = tokenizer.unknown_characters(text)
+    device = resolve_device(args.device)  # a device this machine lacks fails before anything loads
+    store = _open_store(args) if args.prefix_store else None  # a bad location or budget too
+    loaded = load_cache(args.cache, return_metadata=True, device=device) if args.cache else None  # a bad file too
+    served = load_model(args, device)
+    served.model.kv_bits = args.kv_bits  # new_cache() builds quantized attention layers (the store's too)
+    drafter = load_drafter(args, served)
+    ids = _encode(served, text, args.chat)
+    built = _prefill(args, served, ids, store, loaded)
+    if args.max_new_tokens == 0:
+        return 0
+
+    prompt = torch.tensor([ids], dtype=torch.long, device=device)
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    eos = served.tokenizer.eos_token_id if served.kind == "bundled" else None  # None: the generation config's
+    options = {"max_new_tokens": args.max_new_tokens, "eos_token_id": eos, "do_sample": sampling,
+               "temperature": args.temperature if sampling else 1.0, "top_k": args.top_k, "top_p": args.top_p,
+               "generator": generator}  # fmt: skip
+    started = time.perf_counter()
+    if drafter is None:
+        skip = served.eos or ([] if eos is None else [eos])
+        out = generate(served.model, prompt, cache=built, streamer=TextStreamer(served, skip_token_ids=skip),
+                       defer_stop=DEFER_CHOICES[args.defer_stop], **options)  # fmt: skip
+    else:  # no streamer: the whole text at the end
+        out = speculative_generate(served.model, drafter[0], prompt, cache=built, num_draft_tokens=drafter[1],
+                                   **options)  # fmt: skip
+        print(served.decode(out.sequences[0, len(ids) :].tolist()), flush=True)
+    elapsed = time.perf_counter() - started
+    new = out.sequences.shape[1] - len(ids)
+    speculated = "" if drafter is None else f", {sum(out.accepted_per_step)} drafted tokens accepted"
+    print(f"generated {new} tokens in {elapsed:.2f} s ({new / max(elapsed, 1e-9):.1f} tokens/s{speculated})",
+          file=sys.stderr)  # fmt: skip
+    return 0
+
+
+def _encode(served: Any, text: str, chat: bool) -> list[int]:
+    """The prompt's ids: through the chat template with `--chat`; as the tokenizer encodes by
+    default otherwise (a transformers tokenizer adds its BOS, as `tokenizer(prompt)` does). The
+    bundled model reads characters outside its alphabet as its unknown character, with a warning."""
+    if chat:
+        text = served.chat_prompt([{"role": "user", "content": text}])
+    if served.kind != "bundled":
+        return served.encode(text, add_special_tokens=not chat)
+    unknown = served.tokenizer.unknown_characters(text)
     if unknown:
         shown = "".join(unknown[:20]) + ("..." if len(unknown) > 20 else "")
         print(f"kvcache generate: warning: {len(unknown)} character(s) outside the model's alphabet are read as "
-              f"{tokenizer.unknown!r}: {shown!r}", file=sys.stderr)  # fmt: skip
-    ids = tokenizer.encode(text)
-    this_model = model_id(default.WEIGHTS_DIR)
+              f"{served.tokenizer.unknown!r}: {shown!r}", file=sys.stderr)  # fmt: skip
+    return served.tokenizer.encode(text)
 
-    cache, reused = model.new_cache(), 0
-    if loaded is not None:
-        cache, metadata = loaded
-        saved, reused = metadata.get("prompt_ids"), metadata.get("cached_tokens")
-        if metadata.get("model") != this_model or not isinstance(saved, list) or not isinstance(reused, int):
-            raise GenerationError(f"{args.cache} is not a prompt cache of this model (saved with --save-cache?)")
-        if ids[: len(saved)] != saved:
-            raise GenerationError(
-                f"the prompt does not start with the prompt saved in {args.cache} ({_preview(tokenizer.decode(saved))})"
-            )
-        if isinstance(reused, int) and reused % PREFILL_BLOCK:
-            raise GenerationError(f"{args.cache} was saved in blocks other than this version's {PREFILL_BLOCK} "
-                                  "tokens: save it again with --save-cache")  # fmt: skip
-        if cache.get_seq_length() != reused or reused >= len(saved):
-            raise GenerationError(f"{args.cache}: the cache holds {cache.get_seq_length()} tokens, not {reused}")
-    prompt = torch.tensor([ids], dtype=torch.long, device=model.device)
 
+def _prefill(args: argparse.Namespace, served: Any, ids: list[int], store: Any, loaded: Any) -> Any:
+    """The prompt's cache (all but its last token), built in `PREFILL_BLOCK`-token blocks from
+    `--cache` (`loaded`) or the prefix store where they hold a prefix; saved with `--save-cache`
+    after the whole blocks."""
+    import torch
+
+    from ..generation import generate
+    from ..generation.blocks import prefill_blocks, whole_blocks
+    from ..persistence import save_cache
+    from ..progress import Progress
+
+    model, this_model = served.model, served.cache_id()
+    cache, reused = _resume(args, ids, this_model, served, loaded) if loaded else (model.new_cache(), 0)
+    prompt = torch.tensor([ids], dtype=torch.long, device=served.device)
     started = time.perf_counter()
     whole = whole_blocks(len(ids), PREFILL_BLOCK)
     if store is not None:  # the store prefills in the same blocks, so the text is the same with or without it
@@ -156,24 +184,28 @@ def run(args: argparse.Namespace) -> int:
         print(f"saved the cache of {whole} of the prompt's {len(ids)} tokens to {args.save_cache} (whole "
               f"{PREFILL_BLOCK}-token blocks; a resumed run prefills the rest)", file=sys.stderr)  # fmt: skip
     built = generate(model, prompt, cache=cache, max_new_tokens=0)  # the rest of the prompt but its last token
-    prefill_s = time.perf_counter() - started
     print(f"prompt: {len(ids)} tokens, {reused} reused from the cache, {len(ids) - 1 - reused} prefilled "
-          f"in {prefill_s * 1e3:.1f} ms", file=sys.stderr)  # fmt: skip
-    if args.max_new_tokens == 0:
-        return 0
+          f"in {(time.perf_counter() - started) * 1e3:.1f} ms", file=sys.stderr)  # fmt: skip
+    return built.cache
 
-    generator = torch.Generator(device=model.device).manual_seed(args.seed)
-    started = time.perf_counter()
-    out = generate(
-        model, prompt, cache=built.cache, max_new_tokens=args.max_new_tokens,
-        eos_token_id=tokenizer.eos_token_id, do_sample=sampling, temperature=args.temperature if sampling else 1.0,
-        top_k=args.top_k, top_p=args.top_p, generator=generator, streamer=TextStreamer(tokenizer),
-        defer_stop=DEFER_CHOICES[args.defer_stop],
-    )  # fmt: skip
-    elapsed = time.perf_counter() - started
-    new = out.sequences.shape[1] - len(ids)
-    print(f"generated {new} tokens in {elapsed:.2f} s ({new / max(elapsed, 1e-9):.1f} tokens/s)", file=sys.stderr)
-    return 0
+
+def _resume(args: argparse.Namespace, ids: list[int], this_model: str, served: Any, loaded: Any) -> tuple[Any, int]:
+    """The `--cache` file's cache (`loaded` onto the model's device, with its metadata) and how many
+    tokens it holds, after checking it is a prompt cache of this model whose prompt starts this one."""
+    cache, metadata = loaded
+    saved, reused = metadata.get("prompt_ids"), metadata.get("cached_tokens")
+    if metadata.get("model") != this_model or not isinstance(saved, list) or not isinstance(reused, int):
+        raise GenerationError(f"{args.cache} is not a prompt cache of this model (saved with --save-cache?)")
+    if ids[: len(saved)] != saved:
+        raise GenerationError(
+            f"the prompt does not start with the prompt saved in {args.cache} ({_preview(served.decode(saved))})"
+        )
+    if reused % PREFILL_BLOCK:
+        raise GenerationError(f"{args.cache} was saved in blocks other than this version's {PREFILL_BLOCK} "
+                              "tokens: save it again with --save-cache")  # fmt: skip
+    if cache.get_seq_length() != reused or reused >= len(saved):
+        raise GenerationError(f"{args.cache}: the cache holds {cache.get_seq_length()} tokens, not {reused}")
+    return cache, reused
 
 
 def store_key(args: argparse.Namespace) -> bytes | None:
@@ -194,12 +226,14 @@ def store_key(args: argparse.Namespace) -> bytes | None:
 
 
 def _open_store(args: argparse.Namespace) -> Any:
-    """The `--prefix-store` store, its budget checked under the flag's name."""
-    from ..models import default
+    """The `--prefix-store` store, its budget checked under the flag's name. Its namespace is the
+    bundled model's weights hash, or "transformers" for `--model` (the store's fingerprint covers
+    the weights and config, not the directory's path, so the same model anywhere shares entries)."""
+    from ..models.text_model import model_id
     from ..store import open_store
 
     return open_store(args.prefix_store, chunk_size=PREFILL_BLOCK, max_bytes=args.prefix_store_bytes,
-                      namespace=model_id(default.WEIGHTS_DIR), key=store_key(args))  # fmt: skip
+                      namespace="transformers" if args.model else model_id(), key=store_key(args))  # fmt: skip
 
 
 def _preview(text: str, limit: int = 40) -> str:

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import GenerationError
+from .model_args import add_model_arguments, check_model_arguments, load_model
 
 API_KEY_ENV = "KVCACHE_API_KEY"
-DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 
 def add_parser(subparsers: Any) -> None:
@@ -22,8 +22,7 @@ def add_parser(subparsers: Any) -> None:
         description="Serve the bundled model (or --model DIR, a local transformers model) over an OpenAI-compatible "
         "HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.",
     )
-    parser.add_argument("--model", metavar="DIR", help="a local transformers model directory (default: the bundled "
-                        "character-level model)")
+    add_model_arguments(parser, draft_model=False)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     parser.add_argument("--prefix-store", metavar="DIR_OR_URL",
@@ -37,7 +36,7 @@ def add_parser(subparsers: Any) -> None:
                         "--api-key-file: a flag's value is visible to other users of this machine)")
     parser.add_argument("--api-key-file", metavar="FILE", help="read the API key from FILE")
     parser.add_argument("--speculative", type=int, nargs="?", const=4, default=0, metavar="K",
-                        help="prompt-lookup speculative decoding with up to K draft tokens per row (default K=4)")
+                        help="the same as --prompt-lookup K (K=4 when left out)")
     parser.add_argument("--max-batch", type=int, default=32, help="requests decoded together at most (default 32)")
     parser.add_argument("--max-step-tokens", type=int, default=512,
                         help="tokens one engine step computes at most: every running row's decode token plus "
@@ -49,7 +48,6 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--max-waiting", type=int, default=256,
                         help="requests queued (not yet prefilling) at most; more get a 429 (default 256)")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
-    parser.add_argument("--dtype", choices=DTYPES, default=None, help="model dtype (default: the model's own)")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for torch (default: one fewer than the cores, at least 1: the HTTP side "
                         "keeps a core)")
@@ -128,8 +126,6 @@ def api_key(args: argparse.Namespace) -> str | None:
     return key
 
 
-
-
 def default_threads() -> int:
     """Torch's threads for serving: one fewer than torch's default (one per core), at least one, so
     the HTTP side keeps a core: on the 2-core machine time to first token at 8 and 32 clients was
@@ -147,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
         raise GenerationError('kvcache serve needs the serve extra: pip install "kvcache[serve]"') from exc
     import torch
 
-    from ..serve import bundled, create_app, from_directory
+    from ..devices import resolve_device
+    from ..serve import create_app
     from ..serve.engine import Engine
     from ..serve.schema import Limits
     from ..store import PrefixStore, open_store
@@ -166,15 +163,19 @@ def run(args: argparse.Namespace) -> int:
             raise GenerationError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(args, name)}")
     if args.threads is not None and args.threads < 1:
         raise GenerationError(f"--threads must be >= 1, got {args.threads}")
+    check_model_arguments(args)
+    if args.speculative and args.prompt_lookup is not None and args.speculative != args.prompt_lookup:
+        raise GenerationError("--speculative K and --prompt-lookup K are one setting: give one")
+    speculative = args.prompt_lookup or args.speculative
+    device = resolve_device(args.device)
     torch.set_num_threads(args.threads or default_threads())
     key = api_key(args)
-    dtype = getattr(torch, args.dtype) if args.dtype else None
-    served = from_directory(args.model, dtype) if args.model else bundled(dtype or torch.float32)
+    served = load_model(args, device)
     namespace = served.identity
     store_args = {"chunk_size": args.chunk_size, "max_bytes": args.prefix_store_bytes, "namespace": namespace,
                   "key": store_key(args)}  # fmt: skip
     store = open_store(args.prefix_store, **store_args) if args.prefix_store else PrefixStore(**store_args)
-    engine = Engine(served.model, store, eos=served.eos, speculative=args.speculative, max_batch=args.max_batch,
+    engine = Engine(served.model, store, eos=served.eos, speculative=speculative, max_batch=args.max_batch,
                     max_step_tokens=args.max_step_tokens)  # fmt: skip
     limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                     max_tokens=args.max_tokens, default_max_tokens=min(args.default_max_tokens, args.max_tokens),

@@ -14,8 +14,11 @@ from ..layers.dynamic import DynamicLayer
 from ..layers.hybrid import HybridLayer
 from ..layers.quantized import QuantizedLayer
 from ..layers.quantized_sliding import QuantizedSlidingWindowLayer
+from ..layers.recurrent import RecurrentLayer
 from ..layers.sliding import SlidingWindowLayer
 from ..layers.static import StaticLayer
+from ..layers.static_recurrent import StaticRecurrentLayer
+from ..layers.static_sliding import StaticSlidingWindowLayer
 from .stop import self_attention_layers
 
 #: meta_state entries that are parameters of a layer (not bookkeeping that changes with tokens).
@@ -168,11 +171,14 @@ def _fingerprint(tensor: torch.Tensor) -> tuple[Any, ...]:
 
 def _same_kind(mine: Any, ref: Any) -> bool:
     """A layer of the model's kind (or a subclass); full attention held dynamically, statically or
-    quantized, a sliding window held as is or quantized."""
+    quantized, a sliding window held as is, statically or quantized, recurrent states dynamically
+    or statically (every static cache transformers' `generate` accepts for the model)."""
     full = (DynamicLayer, StaticLayer, QuantizedLayer)
     if type(ref) is DynamicLayer and isinstance(mine, full) and not mine.is_sliding:
         return True
-    if type(ref) is SlidingWindowLayer and isinstance(mine, QuantizedSlidingWindowLayer):
+    if type(ref) is SlidingWindowLayer and isinstance(mine, (QuantizedSlidingWindowLayer, StaticSlidingWindowLayer)):
+        return True
+    if type(ref) is RecurrentLayer and isinstance(mine, StaticRecurrentLayer):
         return True
     if type(ref) is HybridLayer and isinstance(mine, HybridLayer):
         return _same_kind(mine.attention, ref.attention) and _same_kind(mine.recurrent, ref.recurrent)

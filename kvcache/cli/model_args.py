@@ -1,0 +1,80 @@
+"""The flags that say which model runs where, shared by `kvcache generate` and `kvcache serve`:
+`--model DIR` (a local transformers directory; default the bundled model), `--device`, `--dtype`,
+and speculation (`--prompt-lookup K`, and for `generate` `--draft-model DIR`)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..devices import DEVICE_CHOICES
+from ..errors import GenerationError
+
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+#: Draft tokens per step of `--draft-model` (`--draft-tokens`).
+DEFAULT_DRAFT_TOKENS = 4
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, *, draft_model: bool) -> None:
+    """Add `--model`, `--device`, `--dtype` and `--prompt-lookup` (and, with `draft_model`,
+    `--draft-model` and `--draft-tokens`) to `parser`."""
+    parser.add_argument("--model", metavar="DIR", help="a local transformers model directory and its tokenizer "
+                        "(default: the bundled character-level model)")
+    parser.add_argument("--device", default="auto", metavar="DEVICE",
+                        help=f"where the model runs: {', '.join(DEVICE_CHOICES)} or cuda:N (default auto: CUDA, "
+                        "then MPS, then the CPU)")
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="the model's dtype (default: float32 for the bundled model, the directory's own "
+                        "for --model)")
+    parser.add_argument("--prompt-lookup", type=int, default=None, metavar="K",
+                        help="speculative decoding that drafts up to K tokens per step from the text so far "
+                        "(no draft model); the output is the same")
+    if draft_model:
+        parser.add_argument("--draft-model", metavar="DIR",
+                            help="speculative decoding with this transformers directory as the draft model (same "
+                            "tokenizer as --model); the output is the same")
+        parser.add_argument("--draft-tokens", type=int, default=DEFAULT_DRAFT_TOKENS, metavar="K",
+                            help=f"draft tokens per step of --draft-model (default {DEFAULT_DRAFT_TOKENS})")
+
+
+def check_model_arguments(args: argparse.Namespace) -> None:
+    """The speculation flags' values, before anything loads."""
+    if args.prompt_lookup is not None and args.prompt_lookup < 1:
+        raise GenerationError(f"--prompt-lookup must be >= 1 draft token, got {args.prompt_lookup}")
+    if getattr(args, "draft_model", None):
+        if args.prompt_lookup is not None:
+            raise GenerationError("--draft-model and --prompt-lookup are alternatives: give one")
+        if not args.model:
+            raise GenerationError("--draft-model drafts for a --model DIR (the bundled model has no draft model)")
+        if args.draft_tokens < 1:
+            raise GenerationError(f"--draft-tokens must be >= 1, got {args.draft_tokens}")
+
+
+def load_model(args: argparse.Namespace, device: Any) -> Any:
+    """The `TextModel` the flags name, on `device` (`kvcache.devices.resolve_device(args.device)`)."""
+    import torch
+
+    from ..models.text_model import bundled, from_directory
+
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    if args.model:
+        return from_directory(args.model, dtype, device)
+    return bundled(dtype or torch.float32, device)
+
+
+def load_drafter(args: argparse.Namespace, target: Any) -> tuple[Any, int] | None:
+    """`(drafter, draft tokens per step)` of the speculation flags, or None without them. A draft
+    model runs where the target does, in its dtype, and must read the target's tokens: the same
+    vocabulary, token for token."""
+    from ..generation import PromptLookupDrafter
+    from ..models.text_model import from_directory
+
+    if args.prompt_lookup is not None:
+        return PromptLookupDrafter(), args.prompt_lookup
+    if not getattr(args, "draft_model", None):
+        return None
+    draft = from_directory(args.draft_model, target.dtype, target.device)
+    if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+        raise GenerationError(f"--draft-model {args.draft_model}: its tokenizer's vocabulary differs from "
+                              f"--model {args.model}'s: a draft model must share the target's tokens")  # fmt: skip
+    return draft.model, args.draft_tokens

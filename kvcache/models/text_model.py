@@ -1,0 +1,148 @@
+"""A model with its tokenizer and chat template, as the command line and the server use it: the
+bundled default model, or a transformers model from a local directory (`wrap_model` inside), on
+the device and in the dtype asked for.
+
+The bundled model's chat template is plain text, one line per message:
+
+    System: <content>\\n       User: <content>\\n       Assistant:<content>\\n
+
+and the prompt ends with `Assistant:`, where the model continues. The assistant line has no space
+after the colon: the model writes what follows, so a client that sends an answer back as the
+next turn's assistant message (unchanged) makes a prompt that starts with the previous prompt and
+answer token for token, and the prefix store reuses both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CacheInputError
+from . import default
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass
+class TextModel:
+    """`model` (kvcache protocol), `name` (the API's model id), `identity` (the prefix store's
+    namespace; the store's fingerprint names the weights and config), `eos` ids, and text <-> ids."""
+
+    model: Any
+    name: str
+    eos: list[int]
+    tokenizer: Any
+    kind: str  # "bundled" or "transformers"
+    identity: str = ""
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights are (the first parameter's device)."""
+        return self._first_parameter().device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._first_parameter().dtype
+
+    def _first_parameter(self) -> torch.Tensor:
+        module = self.model.model if self.kind == "transformers" else self.model
+        return next(iter(module.parameters()))
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.vocab_size)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `CacheInputError` for characters the model cannot read. A
+        transformers tokenizer adds its special tokens (a BOS) as it does by default, so a
+        completion's prompt is what `model.generate(**tokenizer(prompt))` sees; a chat prompt,
+        whose template writes them already, is encoded without (`add_special_tokens=False`), as
+        `apply_chat_template(tokenize=True)` does."""
+        if self.kind == "bundled":
+            unknown = self.tokenizer.unknown_characters(text)
+            if unknown:
+                shown = "".join(unknown[:20])
+                raise CacheInputError(f"{len(unknown)} character(s) outside the model's alphabet: {shown!r}")
+            return self.tokenizer.encode(text)
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int]) -> str:
+        if self.kind == "bundled":
+            return self.tokenizer.decode(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def cache_id(self) -> str:
+        """What a saved prompt cache names its model by, so that a cache of other weights is
+        refused: the bundled model's weights hash, or for a transformers model the digest of its
+        class, config (not its path), dtype and weights."""
+        if self.kind == "bundled":
+            return self.identity
+        from ..store.identity import fingerprint
+
+        root = fingerprint(self.model, [], namespace="saved-cache", chunk_size=0, key=None)
+        return f"transformers-{root.hex()[:32]}"
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+        """The prompt text of a conversation (see the module docstring for the bundled template; a
+        transformers tokenizer's own chat template otherwise)."""
+        if self.kind == "bundled":
+            lines = []
+            for message in messages:
+                role, content = message["role"], message["content"]
+                lines.append(f"Assistant:{content}\n" if role == "assistant" else f"{role.capitalize()}: {content}\n")
+            return "".join(lines) + "Assistant:"
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise CacheInputError(f"the tokenizer of {self.name} has no chat template: use /v1/completions")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+#: What `kvcache.serve` called it.
+ServedModel = TextModel
+
+
+def model_id(weights_dir: Path | None = None) -> str:
+    """Names the bundled model by the hash of its weights and config (in `weights_dir`, default
+    the bundled directory), so a cache saved with other weights is refused."""
+    weights_dir = weights_dir or default.WEIGHTS_DIR
+    digest = hashlib.sha256()
+    for name in ("default.json", "default.safetensors"):
+        digest.update((weights_dir / name).read_bytes())
+    return f"kvcache-default-{digest.hexdigest()[:16]}"
+
+
+def bundled(dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> TextModel:
+    """The bundled character-level model (`kvcache generate`'s)."""
+    model, tokenizer = default.load_default_model(dtype=dtype, device=device, weights_dir=default.WEIGHTS_DIR)
+    return TextModel(model, "kvcache-default", [], tokenizer, "bundled", model_id())
+
+
+def from_directory(path: str | Path, dtype: torch.dtype | None = None,
+                   device: torch.device | str | None = None) -> TextModel:  # fmt: skip
+    """A transformers causal LM and its tokenizer saved in `path` (local files only), on `device`
+    (default: the CPU) in `dtype` (default: the dtype the directory names, as transformers'
+    `dtype="auto"`)."""
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as exc:
+        raise CacheInputError('--model needs transformers: pip install "kvcache[transformers]"') from exc
+    from ..integrations.transformers import wrap_model
+
+    where = Path(path)
+    if not where.is_dir():
+        raise CacheInputError(f"--model {path}: not a directory (a local transformers model is expected)")
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(where, local_files_only=True, dtype=dtype or "auto").eval()
+        tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:  # no config, no weights, an unknown model type
+        raise CacheInputError(f"--model {path}: not a transformers causal LM directory ({exc})"[:400]) from exc
+    if device is not None:
+        hf = hf.to(device)
+    wrapped = wrap_model(hf)
+    eos = wrapped.eos_token_id or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+    # the store's namespace: the fingerprint already covers the config and weights (not the path),
+    # so servers loading the same model from anywhere share one store
+    return TextModel(wrapped, where.name, list(eos), tokenizer, "transformers", "transformers")

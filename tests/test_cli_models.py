@@ -1,0 +1,114 @@
+"""`kvcache generate --model DIR`: any local transformers directory from the command line, checked
+against transformers' own greedy `generate` on the same directory (full attention, sliding window
+and a conv/attention hybrid), speculation from the command line (`--prompt-lookup`,
+`--draft-model`) giving the same text, `--chat`, saved prompt caches, and the device flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from serve_kit import tiny_model_dir
+
+from kvcache.cli import main
+from kvcache.cli.generate import PREFILL_BLOCK
+
+transformers = pytest.importorskip("transformers", minversion="5.24")
+
+PROMPT = "The value of the cache is the sum"
+NEW = 24
+KINDS = ["llama", "gemma3", "lfm2"]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {kind: tiny_model_dir(root / kind, kind) for kind in KINDS}
+
+
+def transformers_text(where: Path, prompt: str, new: int = NEW, chat: bool = False) -> str:
+    """What a transformers user gets: greedy `generate` on `tokenizer(prompt)` (or the chat
+    template's ids), the new tokens decoded without special tokens."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(where).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(where)
+    if chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)  # fmt: skip
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    else:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False)
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(["generate", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def greedy(where: Path, *extra: str, prompt: str = PROMPT, new: int = NEW) -> list[str]:
+    return ["--model", str(where), prompt, "--temperature", "0", "--max-new-tokens", str(new), "--device", "cpu",
+            *extra]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_model_directory_prints_what_transformers_generate_gives(dirs, capsys, kind: str) -> None:
+    """Plain, prompt-lookup and draft-model decoding all print transformers' greedy text."""
+    expected = transformers_text(dirs[kind], PROMPT)
+    assert expected.strip()  # a test on an empty answer would prove little
+    for extra in ((), ("--prompt-lookup", "3"), ("--draft-model", str(dirs["llama"]), "--draft-tokens", "3")):
+        code, out, err = cli(capsys, *greedy(dirs[kind], *extra))
+        assert code == 0, err
+        assert out == expected + "\n", (extra, out, expected)
+
+
+def transformers_tokens(where: Path, text: str) -> list[int]:
+    return transformers.AutoTokenizer.from_pretrained(where)(text, add_special_tokens=False).input_ids
+
+
+def test_chat_applies_the_model_chat_template(dirs, capsys) -> None:
+    expected = transformers_text(dirs["llama"], "Say the value", chat=True)
+    code, out, err = cli(capsys, *greedy(dirs["llama"], "--chat", prompt="Say the value"))
+    assert code == 0, err
+    assert out == expected + "\n"
+
+
+def test_a_saved_prompt_cache_of_a_model_directory_resumes_exactly(dirs, capsys, tmp_path: Path) -> None:
+    """A prompt longer than one prefill block: saved, then resumed on the same and on a longer
+    prompt, each printing what an uninterrupted run prints; another model's file is refused."""
+    prompt = ("The value of the cache is the sum of its tokens. " * 40).rstrip()  # ends a word: a prefix in tokens too
+    assert len(transformers_tokens(dirs["llama"], prompt)) > PREFILL_BLOCK
+    saved = tmp_path / "prompt.kvcache"
+    code, first, err = cli(capsys, *greedy(dirs["llama"], "--save-cache", str(saved), prompt=prompt, new=8))
+    assert code == 0 and saved.exists(), err
+    code, resumed, err = cli(capsys, *greedy(dirs["llama"], "--cache", str(saved), prompt=prompt, new=8))
+    assert code == 0 and resumed == first, err
+    assert f", {PREFILL_BLOCK} reused from the cache" in err  # the file's whole block, not prefilled again
+    longer = prompt + " The sum"
+    code, plain, _ = cli(capsys, *greedy(dirs["llama"], prompt=longer, new=8))
+    code, resumed, err = cli(capsys, *greedy(dirs["llama"], "--cache", str(saved), prompt=longer, new=8))
+    assert code == 0 and resumed == plain, err
+    code, out, err = cli(capsys, *greedy(dirs["gemma3"], "--cache", str(saved), prompt=prompt, new=8))
+    assert code == 2 and out == "" and "not a prompt cache of this model" in err
+
+
+def test_flags_a_user_gets_wrong_are_one_line_errors(dirs, capsys, tmp_path: Path) -> None:
+    cases = [
+        (["--prompt-lookup", "0"], "--prompt-lookup"),
+        (["--draft-model", str(dirs["llama"])], "--draft-model"),  # no --model: the bundled model has no draft
+        (["--model", str(dirs["llama"]), "--draft-model", str(dirs["llama"]), "--prompt-lookup", "2"], "alternatives"),
+        (["--model", str(tmp_path / "missing")], "not a directory"),
+        (["--model", str(tmp_path)], "not a transformers causal LM directory"),
+        (["--device", "tpu"], "--device"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda"], "CUDA is not available"))
+    for args, words in cases:
+        code, out, err = cli(capsys, "hello", "--max-new-tokens", "2", *args)
+        lines = err.strip().splitlines()
+        assert code == 2 and out == "" and len(lines) == 1, (args, err)
+        assert lines[0].startswith("kvcache generate: error:") and words in lines[0], (args, err)
