@@ -18,6 +18,8 @@ import torch
 from hypothesis import HealthCheck, settings
 from servers import Cluster, Server, need_redis_server
 
+from kvcache.devices import available_devices
+
 SLOW = os.environ.get("KVCACHE_SLOW") == "1"
 
 settings.register_profile(
@@ -89,3 +91,13 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]
         yield cluster
     finally:
         cluster.stop()
+
+
+#: The device matrix: the CPU always, CUDA and MPS where present (`kvcache.devices`). Tests that
+#: take the `device` fixture run once per device, so one command runs them on a GPU machine too.
+DEVICES = available_devices()
+
+
+@pytest.fixture(params=DEVICES, ids=lambda d: d.type)
+def device(request: pytest.FixtureRequest) -> torch.device:
+    return request.param
