@@ -37,7 +37,7 @@ except ImportError:  # run as a script
     from stateful_speculation import ControlledDrafter  # type: ignore[no-redef]
     from stateful_speculation import _targets as _stateful_targets  # type: ignore[no-redef]
 
-SIZES = {"smoke": ((1, 4), 16, 1, (256,)), "quick": ((1, 4, 8), 48, 3, (512, 2048)),
+SIZES = {"smoke": ((1, 4), 16, 1, (256,)), "quick": ((1, 4), 24, 1, (512,)),
          "full": ((1, 4, 8), 96, 5, (1024, 4096))}  # (batches, new tokens, rounds, crop contexts)  # fmt: skip
 K = 4
 
@@ -155,7 +155,7 @@ def throughput_table(mode: str) -> tuple[Table, list[Target], dict[str, Any]]:
     return table, targets, figures
 
 
-STATEFUL = {"smoke": (12, 1, (1.0,)), "quick": (48, 3, (1.0, 0.63)), "full": (96, 5, (1.0, 0.63, 0.23))}
+STATEFUL = {"smoke": (12, 1, (1.0,)), "quick": (32, 2, (1.0,)), "full": (96, 5, (1.0, 0.63, 0.23))}
 #: Batched speculation on stateful transformers targets must reach these multiples of batched plain decoding.
 STATEFUL_WITHIN = {1.0: 1.5, 0.63: 1.0}
 

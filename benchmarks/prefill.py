@@ -35,7 +35,7 @@ except ImportError:  # run as a script
     from common import Section, Table, Target, ratio, rotate_timings, run_as_script, seconds, section_of  # type: ignore[no-redef]
 
 #: (prompt lengths, rounds, characters of the CLI's prompt) per mode
-SIZES = {"smoke": ((512, 1024), 1, 3_000), "quick": ((1024, 4096), 3, 20_000),
+SIZES = {"smoke": ((512, 1024), 1, 3_000), "quick": ((1024,), 3, 10_000),
          "full": ((1024, 4096, 16384), 3, 100_000)}  # fmt: skip
 
 

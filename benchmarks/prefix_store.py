@@ -39,7 +39,7 @@ except ImportError:  # run as a script
 
 CHUNK = 64
 REST = 64
-SIZES = {"smoke": ((256,), 1, 4), "quick": ((1024,), 3, 16), "full": ((1024, 4096), 5, 16)}  # (prompts, reps, shared)
+SIZES = {"smoke": ((256,), 1, 4), "quick": ((512,), 2, 16), "full": ((1024, 4096), 5, 16)}  # (prompts, reps, shared)
 
 
 def _models() -> dict[str, Any]:

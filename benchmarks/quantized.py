@@ -36,7 +36,7 @@ except ImportError:  # run as a script
     from common import Section, Table, Target, ratio, rotate_timings, run_as_script, seconds, section_of  # type: ignore[no-redef]
 
 #: (text tokens, greedy prompts, contexts, timing rounds) per mode
-SIZES = {"smoke": (256, 1, (1024,), 3), "quick": (1024, 3, (4096,), 5), "full": (2048, 5, (4096, 16384), 9)}
+SIZES = {"smoke": (256, 1, (1024,), 3), "quick": (512, 1, (2048,), 3), "full": (2048, 5, (4096, 16384), 9)}
 CHUNK = 64
 
 

@@ -37,7 +37,7 @@ def _kv(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 # ------------------------------------------------------------------------- 1. append cost
 APPEND_SIZES = {
     "smoke": {"contexts": [64, 256], "steps": 8, "reps": 2, "slow_steps": 2, "slow_reps": 2},
-    "quick": {"contexts": [512, 2048, 8192], "steps": 64, "reps": 5, "slow_steps": 4, "slow_reps": 3},
+    "quick": {"contexts": [512, 4096], "steps": 32, "reps": 3, "slow_steps": 4, "slow_reps": 2},
     "full": {
         "contexts": [512, 1024, 2048, 4096, 8192, 16384],
         "steps": 256,
@@ -138,7 +138,7 @@ def append_scenario(mode: str) -> Section:
 # ---------------------------------------------------------------------- 2. rollback cost
 ROLLBACK_SIZES = {
     "smoke": {"contexts": (256, 1024), "reps": 3, "inner": 2, "recurrent_reps": 2},
-    "quick": {"contexts": (1024, 8192), "reps": 7, "inner": 4, "recurrent_reps": 5},
+    "quick": {"contexts": (1024, 8192), "reps": 5, "inner": 4, "recurrent_reps": 3},
     "full": {"contexts": (1024, 16384), "reps": 11, "inner": 4, "recurrent_reps": 15},
 }
 CROP_KS = (1, 4, 16)

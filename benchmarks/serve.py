@@ -37,7 +37,7 @@ except ImportError:  # run as a script
     from common import Section, Table, Target, Timing, run_as_script  # type: ignore[no-redef]
 
 #: (requests, new tokens each, rounds, time-to-first-token samples) per mode
-SIZES = {"smoke": (8, 16, 1, 2), "quick": (32, 48, 1, 5), "full": (48, 64, 3, 9)}
+SIZES = {"smoke": (8, 16, 1, 2), "quick": (16, 24, 1, 2), "full": (48, 64, 3, 9)}
 WORDS = ("value", "name", "object", "method", "class", "list", "module", "type", "key", "file", "string", "error")
 
 

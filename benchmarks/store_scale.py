@@ -42,7 +42,7 @@ except ImportError:  # run as a script
 
 CHUNK = 16
 #: (entry counts, rounds, prompt tokens of part 2, entries filled for part 2) per mode
-SIZES = {"smoke": ((100, 1000), 5, 256, 1000), "quick": ((100, 1000, 10_000), 15, 1024, 10_000),
+SIZES = {"smoke": ((100, 1000), 5, 256, 1000), "quick": ((100, 1000), 8, 1024, 1000),
          "full": ((100, 1000, 10_000, 100_000), 25, 1024, 100_000)}  # fmt: skip
 
 
