@@ -221,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     accelerated = device.type != "cpu"
     shape, dtype = ("1b", torch.bfloat16) if accelerated else ("small", torch.float32)
     new, gib = (128, 2.0) if accelerated else (32, 0.125)
-    print(f"# kvcache device check on {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}"
-          f"); torch {torch.__version__}\n")  # fmt: skip
+    name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
+    print(f"# kvcache device check on {device}{name}; torch {torch.__version__}\n")
     passed = True if args.skip_tests else run_tests(device)
     table("Host reads per decode step of `generate` (deferred stop check)", ["steps", "reads per step",
           "one step late"], host_reads_per_step(device))  # fmt: skip
