@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from kvcache import CacheInputError
 from kvcache.generation import generate
 from kvcache.generation.sampling import Sampling
 from kvcache.layers.sliding import SlidingWindowLayer
@@ -200,3 +201,45 @@ def test_a_full_writer_skips_chunks_and_never_the_decode(bundled, tmp_path) -> N
         engine.stop()
     assert skipped >= 1 and request.tokens == alone(model, prompt, 20)
     assert store.lookup(prompt, model)[0] == 0
+
+
+@pytest.mark.parametrize("draft", ["the model itself", "an unrelated model"])
+def test_a_draft_model_gives_each_prompt_its_own_answer(bundled, draft: str) -> None:
+    """`Engine(draft_model=)`: eight concurrent greedy requests, each drafting with the draft
+    model on a cache of its own, verified together and cropped row by row, answer what each
+    prompt decoded alone answers. With the model as its own draft every draft is accepted, so
+    the target runs verify forwards of several tokens and fewer forwards than tokens."""
+    from kvcache.models import DecoderLM
+
+    model, tokenizer = bundled
+    if draft == "the model itself":
+        drafter = model
+    else:
+        torch.manual_seed(5)
+        drafter = DecoderLM(model.config).double().eval()
+    counting = CountingModel(model)
+    engine = Engine(counting, PrefixStore(chunk_size=16), eos=[], speculative=3, draft_model=drafter)
+    engine.start()
+    try:
+        prompts = [prompt_ids(tokenizer, i, n) for i, n in enumerate((10, 47, 90, 33, 64, 21, 55, 17))]
+        requests = [Request(prompt=p, max_tokens=20, sampling=Sampling(False)) for p in prompts]
+        run_requests(engine, requests)
+    finally:
+        engine.stop()
+    for prompt, request in zip(prompts, requests, strict=True):
+        assert request.tokens == alone(model, prompt, 20), prompt[:10]
+    steps = [s for s in counting.fed if s[1] <= 4]  # decode/verify steps (every prefill forward is longer)
+    assert any(s[0] > 1 and s[1] > 1 for s in steps)  # drafts of several rows verified together
+    if draft == "the model itself":  # 19 steps without drafting; every draft kept
+        assert len(steps) < 12, steps
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(bundled) -> None:
+    from kvcache.models import DecoderConfig, DecoderLM
+
+    model, _ = bundled
+    other = DecoderLM(DecoderConfig(vocab_size=model.vocab_size + 1)).double().eval()
+    with pytest.raises(CacheInputError, match="vocabulary"):
+        Engine(model, PrefixStore(chunk_size=16), eos=[], speculative=3, draft_model=other)
+    with pytest.raises(CacheInputError, match="speculative"):
+        Engine(model, PrefixStore(chunk_size=16), eos=[], draft_model=model)

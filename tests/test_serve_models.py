@@ -59,12 +59,16 @@ def chat(c: openai.OpenAI, name: str, messages: list[dict], n: int):
     return c.chat.completions.create(model=name, messages=messages, max_tokens=n, temperature=0)
 
 
-@pytest.mark.parametrize("speculative", [False, True])
-def test_lfm2_is_served_its_turns_reused_with_and_without_speculation(tmp_path: Path, speculative: bool) -> None:
+@pytest.mark.parametrize("speculative", ["none", "prompt lookup", "draft model"])
+def test_lfm2_is_served_its_turns_reused_with_and_without_speculation(tmp_path: Path, speculative: str) -> None:
+    """Plain, prompt-lookup (`--speculative 4`) and draft-model (`--draft-model`, a Llama with the
+    same tokenizer, each request drafting on a cache of its own) serving answer alike."""
     where = tiny_model_dir(tmp_path / "tiny-lfm2", "lfm2")
     alone, tokenizer = reference(where)
     ids_alone = alone.ids
-    flags = ["--speculative", "4"] if speculative else []
+    flags = {"none": [], "prompt lookup": ["--speculative", "4"],
+             "draft model": ["--draft-model", str(tiny_model_dir(tmp_path / "draft", "llama")), "--draft-tokens", "3"]}
+    flags = flags[speculative]
     process = ServeProcess("--model", str(where), "--dtype", "float64", "--threads", "1", *flags)
     process.start(tmp_path / "stderr.log")
     try:

@@ -1,6 +1,6 @@
 """The flags that say which model runs where, shared by `kvcache generate` and `kvcache serve`:
 `--model DIR` (a local transformers directory; default the bundled model), `--device`, `--dtype`,
-and speculation (`--prompt-lookup K`, and for `generate` `--draft-model DIR`)."""
+and speculation (`--prompt-lookup K` or `--draft-model DIR`)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import GenerationError
-from .model_args import add_model_arguments, check_model_arguments, load_model
+from .model_args import add_model_arguments, check_model_arguments, load_drafter, load_model
 
 API_KEY_ENV = "KVCACHE_API_KEY"
 
@@ -22,7 +22,7 @@ def add_parser(subparsers: Any) -> None:
         description="Serve the bundled model (or --model DIR, a local transformers model) over an OpenAI-compatible "
         "HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.",
     )
-    add_model_arguments(parser, draft_model=False)
+    add_model_arguments(parser, draft_model=True)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     parser.add_argument("--prefix-store", metavar="DIR_OR_URL",
@@ -166,17 +166,20 @@ def run(args: argparse.Namespace) -> int:
     check_model_arguments(args)
     if args.speculative and args.prompt_lookup is not None and args.speculative != args.prompt_lookup:
         raise GenerationError("--speculative K and --prompt-lookup K are one setting: give one")
-    speculative = args.prompt_lookup or args.speculative
+    if args.speculative and args.draft_model:
+        raise GenerationError("--draft-model and --speculative are alternatives: give one")
+    speculative = args.draft_tokens if args.draft_model else args.prompt_lookup or args.speculative
     device = resolve_device(args.device)
     torch.set_num_threads(args.threads or default_threads())
     key = api_key(args)
     served = load_model(args, device)
+    draft_model = load_drafter(args, served)[0] if args.draft_model else None
     namespace = served.identity
     store_args = {"chunk_size": args.chunk_size, "max_bytes": args.prefix_store_bytes, "namespace": namespace,
                   "key": store_key(args)}  # fmt: skip
     store = open_store(args.prefix_store, **store_args) if args.prefix_store else PrefixStore(**store_args)
-    engine = Engine(served.model, store, eos=served.eos, speculative=speculative, max_batch=args.max_batch,
-                    max_step_tokens=args.max_step_tokens)  # fmt: skip
+    engine = Engine(served.model, store, eos=served.eos, speculative=speculative, draft_model=draft_model,
+                    max_batch=args.max_batch, max_step_tokens=args.max_step_tokens)  # fmt: skip
     limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                     max_tokens=args.max_tokens, default_max_tokens=min(args.default_max_tokens, args.max_tokens),
                     max_waiting=args.max_waiting)  # fmt: skip

@@ -35,7 +35,7 @@ import torch
 
 from ..cache import Cache
 from ..errors import CacheInputError
-from ..generation.drafters import PromptLookupDrafter
+from ..generation.drafters import Drafter, ModelDrafter, PromptLookupDrafter
 from ..generation.sampling import Sampling
 from ..store.payloads import model_module, storable
 from . import prefill
@@ -71,7 +71,7 @@ class Request:
     session: Any = None
     cache: Cache | None = None
     pending: int | None = None  # the token to feed at the next decode step
-    drafter: PromptLookupDrafter | None = None
+    drafter: Drafter | None = None
 
     def cancel(self) -> None:
         """Ask the engine to drop this request at its next step (a client that went away)."""
@@ -121,8 +121,15 @@ class Engine:
 
     def __init__(self, model: Any, store: Any, *, eos: list[int], metrics: Metrics | None = None,
                  speculative: int = 0, max_batch: int = MAX_BATCH,
-                 max_step_tokens: int = MAX_STEP_TOKENS) -> None:  # fmt: skip
-        self.model, self.store, self.eos = model, store, frozenset(eos)
+                 max_step_tokens: int = MAX_STEP_TOKENS, draft_model: Any = None) -> None:  # fmt: skip
+        """`speculative`: draft tokens per row and step (0: none), by prompt lookup, or by
+        `draft_model` (a model of the same vocabulary; each row drafts with a cache of its own)."""
+        if draft_model is not None and not speculative:
+            raise CacheInputError("a draft model needs speculative > 0 (draft tokens per step)")
+        if draft_model is not None and int(draft_model.vocab_size) != int(model.vocab_size):
+            raise CacheInputError(f"the draft model's vocabulary ({int(draft_model.vocab_size)} tokens) is not the "
+                                  f"served model's ({int(model.vocab_size)})")  # fmt: skip
+        self.model, self.store, self.eos, self.draft_model = model, store, frozenset(eos), draft_model
         self.metrics = metrics or Metrics()
         self.speculative, self.max_batch, self.max_step_tokens = speculative, max_batch, max_step_tokens
         if any(not storable(layer, store.chunk_size) for layer in model.new_cache()):
@@ -261,7 +268,7 @@ class Engine:
             self._finish(request, "cancelled")
             return
         if self.speculative:
-            request.drafter = PromptLookupDrafter()
+            request.drafter = PromptLookupDrafter() if self.draft_model is None else ModelDrafter(self.draft_model)
             request.drafter.start(request.prompt, device=self.device)
         self._emit(request, self._choose(request, logits))
         if request.finish_reason is None:

@@ -1,5 +1,6 @@
-"""The engine's decode step with prompt-lookup speculation: every row drafts from its own text,
-all rows are verified in one forward, and each row is cropped by its own count.
+"""The engine's decode step with speculation: every row drafts (by prompt lookup in its own text,
+or with the server's draft model and a draft cache of its own), all rows are verified in one
+forward, and each row is cropped by its own count.
 
 A row's draft stops at its next chunk boundary, so a row's kept tokens land on every boundary
 exactly and the prefix store can take the state there (a step past a boundary would leave no
@@ -21,22 +22,22 @@ from ..generation.speculative import Verifier
 
 def speculative_step(engine: Any) -> None:
     rows, cache = engine._rows, engine._cache
-    drafts = []
+    drafts, verifiers = [], []
     for request in rows:
         to_boundary = engine.store.chunk_size - request.session.length % engine.store.chunk_size
         budget = min(engine.speculative, request.max_tokens - len(request.tokens) - 1, to_boundary - 1)
         sequence = request.prompt + request.tokens
-        drafts.append(request.drafter.propose(sequence, budget, lambda logits: (0, None)) if budget > 0 else Draft([]))
+        verifier = Verifier(request.sampling, request.generator)  # a draft model picks as the row samples
+        verifiers.append(verifier)
+        drafts.append(request.drafter.propose(sequence, budget, verifier.pick) if budget > 0 else Draft([]))
     width = 1 + max(len(d.tokens) for d in drafts)
     padded = [[r.pending, *d.tokens, *[r.pending] * (width - 1 - len(d.tokens))]
               for r, d in zip(rows, drafts, strict=True)]
     ids = torch.tensor(padded, dtype=torch.long, device=engine.device)
     cache.activate_past_recording()
     logits = engine.model(ids, cache=cache, **engine.row_inputs(width))
-    verdicts = []
-    for b, (request, draft) in enumerate(zip(rows, drafts, strict=True)):
-        verifier = Verifier(request.sampling, request.generator)
-        verdicts.append(verifier.verify(draft, logits[b, : len(draft.tokens) + 1]))
+    verdicts = [verifier.verify(draft, logits[b, : len(draft.tokens) + 1])
+                for b, (verifier, draft) in enumerate(zip(verifiers, drafts, strict=True))]
     drops = [width - 1 - accepted for accepted, _ in verdicts]
     if any(drops):
         cache.crop([-d for d in drops])
