@@ -1,6 +1,6 @@
 """The benchmark suite's entry point: every scenario, kvcache next to what one would use instead.
 
-    python -m benchmarks --quick          # about 90 s on 2 cores: smaller sizes, no serve_anchor
+    python -m benchmarks --quick          # about 90 s on 2 cores: smaller sizes, fewer scenarios
     python -m benchmarks                  # full run
     python -m benchmarks --only rollback memory --out /tmp/bench
 
@@ -27,9 +27,9 @@ if TYPE_CHECKING:
     from benchmarks.common import Section
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
-#: Scenarios only the full run (or `--only`) runs: kvcache serve against `transformers serve`
-#: starts servers and takes about two minutes.
-FULL_ONLY = ("serve_anchor",)
+#: Scenarios a quick run leaves out (the full run and `--only` run them): kvcache serve against
+#: `transformers serve` starts servers and takes about two minutes; startup times subprocesses.
+FULL_ONLY = ("serve_anchor", "startup")
 
 
 def scenarios() -> dict[str, Callable[[str], Section]]:
