@@ -198,10 +198,15 @@ def physical_shape(shape: list[int], order: list[int] | None) -> list[int]:
 class LoadedTensors:
     """The `TensorSource` a cache is built from: each tensor handed out once after checking its dtype
     and shape, read into the memory its layer chose (`CacheLayer.load_target`) when loading to the
-    CPU, or moved to the target device; and an allocation budget layers charge before allocating."""
+    CPU, or moved to the target device; and an allocation budget layers charge before allocating.
+
+    To a CUDA device each tensor is read into pinned host memory (torch's caching host allocator
+    reuses it) and copied without waiting, so the copy of one tensor overlaps the read of the next
+    and the file's bytes are copied once on the host, as safetensors' own device load does."""
 
     def __init__(self, reader: FileReader, device: str, budget: int) -> None:
         self._reader, self._device, self._budget = reader, device, budget
+        self._pinned = device != "cpu" and torch.device(device).type == "cuda" and torch.cuda.is_available()
         #: tensor name -> (safetensors dtype, shape as stored), in file order
         self.stored = {e.name: (e.dtype, e.shape) for e in reader.entries if e.name != DIGEST_TENSOR}
         self._taken: dict[str, tuple[str, list[int]]] = {}  # name -> (dtype, logical shape)
@@ -227,10 +232,11 @@ class LoadedTensors:
             self.charge(landing.untyped_storage().nbytes() - landing.nbytes, where)
             self._reader.take(name, landing if order is None else landing.permute(order))
             return landing
-        tensor = self._reader.take(name)
+        landing = torch.empty(stored, dtype=TORCH_DTYPES[dtype], pin_memory=True) if self._pinned else None
+        tensor = self._reader.take(name, landing)
         if order is not None:
             tensor = tensor.permute(sorted(range(len(order)), key=order.__getitem__))
-        return tensor.to(self._device)
+        return tensor.to(self._device, non_blocking=self._pinned)
 
     def charge(self, nbytes: int, where: str) -> None:
         """Count `nbytes` a layer is about to allocate; `CacheFormatError` past the budget."""
