@@ -28,8 +28,9 @@ if TYPE_CHECKING:
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 #: Scenarios a quick run leaves out (the full run and `--only` run them): kvcache serve against
-#: `transformers serve` starts servers and takes about two minutes; startup times subprocesses.
-FULL_ONLY = ("serve_anchor", "startup")
+#: `transformers serve` starts servers and takes about two minutes; startup times subprocesses;
+#: suffix drafting runs a sequence of requests three times over.
+FULL_ONLY = ("serve_anchor", "startup", "suffix")
 
 
 def scenarios() -> dict[str, Callable[[str], Section]]:
@@ -46,6 +47,7 @@ def scenarios() -> dict[str, Callable[[str], Section]]:
     from benchmarks.serve_anchor import serve_anchor_scenario
     from benchmarks.startup import startup_scenario
     from benchmarks.stateful_speculation import speculation_scenario
+    from benchmarks.suffix import suffix_scenario
 
     return {
         "append": append_scenario,
@@ -63,6 +65,7 @@ def scenarios() -> dict[str, Callable[[str], Section]]:
         "quantized": quantized_scenario,
         "prefill": prefill_scenario,
         "serve_anchor": serve_anchor_scenario,
+        "suffix": suffix_scenario,
     }
 
 

@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = [
     "append", "rollback", "memory", "persistence", "generation", "first_step", "speculation", "per_call",
-    "prefix_store", "batch_speculation", "startup", "serve", "quantized", "prefill", "serve_anchor",
+    "prefix_store", "batch_speculation", "startup", "serve", "quantized", "prefill", "serve_anchor", "suffix",
 ]  # fmt: skip
 
 sys.path.insert(0, str(ROOT))
@@ -130,7 +130,7 @@ def test_only_and_script_entry_point(tmp_path: Path) -> None:
     assert list(json.loads((tmp_path / "results.json").read_text())["scenarios"]) == ["memory"]
     assert not list(tmp_path.glob("*.png"))
     scripts = ("run", "batch_speculation", "per_call", "prefix_store", "stateful_speculation", "startup", "serve",
-               "quantized", "serve_anchor")
+               "quantized", "serve_anchor", "suffix")
     # each script imports torch (seconds): started together, waited for together
     started = {script: subprocess.Popen([sys.executable, f"benchmarks/{script}.py", "--help"], cwd=ROOT,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

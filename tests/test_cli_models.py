@@ -57,10 +57,11 @@ def greedy(where: Path, *extra: str, prompt: str = PROMPT, new: int = NEW) -> li
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_model_directory_prints_what_transformers_generate_gives(dirs, capsys, kind: str) -> None:
-    """Plain, prompt-lookup and draft-model decoding all print transformers' greedy text."""
+    """Plain, prompt-lookup, suffix and draft-model decoding all print transformers' greedy text."""
     expected = transformers_text(dirs[kind], PROMPT)
     assert expected.strip()  # a test on an empty answer would prove little
-    for extra in ((), ("--prompt-lookup", "3"), ("--draft-model", str(dirs["llama"]), "--draft-tokens", "3")):
+    for extra in ((), ("--prompt-lookup", "3"), ("--suffix-draft", "4"),
+                  ("--draft-model", str(dirs["llama"]), "--draft-tokens", "3")):
         code, out, err = cli(capsys, *greedy(dirs[kind], *extra))
         assert code == 0, err
         assert out == expected + "\n", (extra, out, expected)

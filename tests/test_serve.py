@@ -313,9 +313,16 @@ def test_bad_flags_are_one_line_errors(capsys) -> None:
                         (["--shutdown-timeout", "nan"], "--shutdown-timeout must be > 0"),
                         (["--port", "70000"], "--port must be in"), (["--max-batch", "0"], "--max-batch must be >= 1"),
                         (["--prompt-lookup", "0"], "--prompt-lookup must be >= 1"),
-                        (["--speculative", "2", "--prompt-lookup", "3"], "one setting"),
+                        (["--speculative", "2", "--prompt-lookup", "3"], "one speculation flag"),
+                        (["--suffix-draft", "4", "--prompt-lookup", "3"], "alternatives"),
                         (["--device", "tpu"], "--device 'tpu'"),
                         *([] if torch.cuda.is_available() else [(["--device", "cuda"], "CUDA is not available")])):
         code = main(["serve", *argv])
         out, err = capsys.readouterr()
+        assert (code, out) == (2, "") and err.count("\n") == 1 and words in err, (argv, err)
+    for argv, words in ((["--speculative", "often"], "'suffix'"), (["--port", "http"], "--port")):
+        with pytest.raises(SystemExit) as exited:  # argparse's own checks exit from parse_args
+            main(["serve", *argv])
+        out, err = capsys.readouterr()
+        code = exited.value.code
         assert (code, out) == (2, "") and err.count("\n") == 1 and words in err, (argv, err)

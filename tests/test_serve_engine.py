@@ -243,3 +243,32 @@ def test_a_draft_model_of_another_vocabulary_is_refused(bundled) -> None:
         Engine(model, PrefixStore(chunk_size=16), eos=[], speculative=3, draft_model=other)
     with pytest.raises(CacheInputError, match="speculative"):
         Engine(model, PrefixStore(chunk_size=16), eos=[], draft_model=model)
+
+
+def test_suffix_drafting_learns_from_finished_requests_and_changes_no_answer(bundled) -> None:
+    """`Engine(suffix_corpus=)`: eight concurrent requests answer as each prompt alone; each
+    finished request feeds the shared corpus, so the same prompts sent again are drafted from the
+    first answers: far fewer target forwards, the same answers."""
+    from kvcache.generation import SuffixCorpus
+
+    model, tokenizer = bundled
+    corpus = SuffixCorpus()
+    counting = CountingModel(model)
+    engine = Engine(counting, PrefixStore(chunk_size=16), eos=[], speculative=8, suffix_corpus=corpus)
+    prompts = [prompt_ids(tokenizer, i, n) for i, n in enumerate((10, 47, 90, 33, 64, 21, 55, 17))]
+    engine.start()
+    try:
+        rounds = []
+        for _ in range(2):
+            before = len(counting.fed)
+            requests = [Request(prompt=p, max_tokens=24, sampling=Sampling(False)) for p in prompts]
+            run_requests(engine, requests)
+            rounds.append((requests, [s for s in counting.fed[before:] if s[1] <= 9]))  # decode/verify steps
+    finally:
+        engine.stop()
+    for requests, _ in rounds:
+        for prompt, request in zip(prompts, requests, strict=True):
+            assert request.tokens == alone(model, prompt, 24), prompt[:10]
+    assert len(corpus) == 16  # every finished request was fed
+    first_steps, second_steps = len(rounds[0][1]), len(rounds[1][1])
+    assert second_steps < first_steps / 2, (first_steps, second_steps)

@@ -1,6 +1,6 @@
 """The flags that say which model runs where, shared by `kvcache generate` and `kvcache serve`:
 `--model DIR` (a local transformers directory; default the bundled model), `--device`, `--dtype`,
-and speculation (`--prompt-lookup K` or `--draft-model DIR`)."""
+and speculation (`--prompt-lookup K`, `--suffix-draft K` or `--draft-model DIR`)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from ..errors import GenerationError
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 #: Draft tokens per step of `--draft-model` (`--draft-tokens`).
 DEFAULT_DRAFT_TOKENS = 4
+#: The most tokens a suffix draft proposes when `kvcache serve --speculative suffix` gives no K.
+DEFAULT_SUFFIX_TOKENS = 8
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, draft_model: bool) -> None:
@@ -29,6 +31,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, draft_model: bool) -
     parser.add_argument("--prompt-lookup", type=int, default=None, metavar="K",
                         help="speculative decoding that drafts up to K tokens per step from the text so far "
                         "(no draft model); the output is the same")
+    parser.add_argument("--suffix-draft", type=int, default=None, metavar="K",
+                        help="speculative decoding that drafts up to K tokens from what most often followed the "
+                        "current context before: in this text and, in a server, in earlier requests' prompts and "
+                        "answers (no draft model); the output is the same")
     if draft_model:
         parser.add_argument("--draft-model", metavar="DIR",
                             help="speculative decoding with this transformers directory as the draft model (same "
@@ -39,11 +45,16 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, draft_model: bool) -
 
 def check_model_arguments(args: argparse.Namespace) -> None:
     """The speculation flags' values, before anything loads."""
-    if args.prompt_lookup is not None and args.prompt_lookup < 1:
-        raise GenerationError(f"--prompt-lookup must be >= 1 draft token, got {args.prompt_lookup}")
+    for name in ("prompt_lookup", "suffix_draft"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise GenerationError(f"--{name.replace('_', '-')} must be >= 1 draft token, got {value}")
+    given = [flag for flag, on in (("--prompt-lookup", args.prompt_lookup is not None),
+                                   ("--suffix-draft", args.suffix_draft is not None),
+                                   ("--draft-model", bool(getattr(args, "draft_model", None)))) if on]  # fmt: skip
+    if len(given) > 1:
+        raise GenerationError(f"{' and '.join(given)} are alternatives: give one")
     if getattr(args, "draft_model", None):
-        if args.prompt_lookup is not None:
-            raise GenerationError("--draft-model and --prompt-lookup are alternatives: give one")
         if not args.model:
             raise GenerationError("--draft-model drafts for a --model DIR (the bundled model has no draft model)")
         if args.draft_tokens < 1:
@@ -66,11 +77,13 @@ def load_drafter(args: argparse.Namespace, target: Any) -> tuple[Any, int] | Non
     """`(drafter, draft tokens per step)` of the speculation flags, or None without them. A draft
     model runs where the target does, in its dtype, and must read the target's tokens: the same
     vocabulary, token for token."""
-    from ..generation import PromptLookupDrafter
+    from ..generation import PromptLookupDrafter, SuffixDrafter
     from ..models.text_model import from_directory
 
     if args.prompt_lookup is not None:
         return PromptLookupDrafter(), args.prompt_lookup
+    if args.suffix_draft is not None:
+        return SuffixDrafter(), args.suffix_draft
     if not getattr(args, "draft_model", None):
         return None
     draft = from_directory(args.draft_model, target.dtype, target.device)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import GenerationError
-from .model_args import add_model_arguments, check_model_arguments, load_drafter, load_model
+from .model_args import DEFAULT_SUFFIX_TOKENS, add_model_arguments, check_model_arguments, load_drafter, load_model
 
 API_KEY_ENV = "KVCACHE_API_KEY"
 
@@ -35,8 +35,9 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' (or set ${API_KEY_ENV}, or use "
                         "--api-key-file: a flag's value is visible to other users of this machine)")
     parser.add_argument("--api-key-file", metavar="FILE", help="read the API key from FILE")
-    parser.add_argument("--speculative", type=int, nargs="?", const=4, default=0, metavar="K",
-                        help="the same as --prompt-lookup K (K=4 when left out)")
+    parser.add_argument("--speculative", type=_speculative, nargs="?", const=4, default=0, metavar="K|suffix",
+                        help=f"K: the same as --prompt-lookup K (K=4 when left out); suffix: the same as "
+                        f"--suffix-draft {DEFAULT_SUFFIX_TOKENS}")
     parser.add_argument("--max-batch", type=int, default=32, help="requests decoded together at most (default 32)")
     parser.add_argument("--max-step-tokens", type=int, default=512,
                         help="tokens one engine step computes at most: every running row's decode token plus "
@@ -59,6 +60,21 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request on stderr")
     names = {"max_bytes": "--prefix-store-bytes", "chunk_size": "--chunk-size"}
     parser.set_defaults(func=run, flag_names=names)
+
+    def one_line_error(message: str) -> None:  # argparse prints the whole usage block otherwise
+        parser.exit(2, f"kvcache serve: error: {message} (see kvcache serve -h)\n")
+
+    parser.error = one_line_error  # type: ignore[method-assign]
+
+
+def _speculative(text: str) -> int | str:
+    """`--speculative`'s value: a number of draft tokens, or "suffix"."""
+    if text == "suffix":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of draft tokens or 'suffix', got {text!r}") from None
 
 
 def _graceful_server_class() -> Any:
@@ -144,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..devices import resolve_device
+    from ..generation import SuffixCorpus
     from ..serve import create_app
     from ..serve.engine import Engine
     from ..serve.schema import Limits
@@ -163,23 +180,25 @@ def run(args: argparse.Namespace) -> int:
             raise GenerationError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(args, name)}")
     if args.threads is not None and args.threads < 1:
         raise GenerationError(f"--threads must be >= 1, got {args.threads}")
+    if args.speculative == "suffix":
+        args.speculative, args.suffix_draft = 0, args.suffix_draft or DEFAULT_SUFFIX_TOKENS
     check_model_arguments(args)
-    if args.speculative and args.prompt_lookup is not None and args.speculative != args.prompt_lookup:
-        raise GenerationError("--speculative K and --prompt-lookup K are one setting: give one")
-    if args.speculative and args.draft_model:
-        raise GenerationError("--draft-model and --speculative are alternatives: give one")
-    speculative = args.draft_tokens if args.draft_model else args.prompt_lookup or args.speculative
+    if args.speculative and (args.prompt_lookup, args.suffix_draft, args.draft_model) != (None, None, None):
+        raise GenerationError("--speculative K is --prompt-lookup K: give one speculation flag")
+    speculative = (args.draft_tokens if args.draft_model else args.suffix_draft or args.prompt_lookup
+                   or args.speculative)  # fmt: skip
     device = resolve_device(args.device)
     torch.set_num_threads(args.threads or default_threads())
     key = api_key(args)
     served = load_model(args, device)
     draft_model = load_drafter(args, served)[0] if args.draft_model else None
+    corpus = SuffixCorpus() if args.suffix_draft else None  # one per server: one model, one API key
     namespace = served.identity
     store_args = {"chunk_size": args.chunk_size, "max_bytes": args.prefix_store_bytes, "namespace": namespace,
                   "key": store_key(args)}  # fmt: skip
     store = open_store(args.prefix_store, **store_args) if args.prefix_store else PrefixStore(**store_args)
     engine = Engine(served.model, store, eos=served.eos, speculative=speculative, draft_model=draft_model,
-                    max_batch=args.max_batch, max_step_tokens=args.max_step_tokens)  # fmt: skip
+                    suffix_corpus=corpus, max_batch=args.max_batch, max_step_tokens=args.max_step_tokens)  # fmt: skip
     limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                     max_tokens=args.max_tokens, default_max_tokens=min(args.default_max_tokens, args.max_tokens),
                     max_waiting=args.max_waiting)  # fmt: skip

@@ -1,5 +1,5 @@
 """Text generation with kvcache caches: `generate`, its stop checks, sampling and streamers, and
-speculative decoding (`speculative_generate` with a draft model or prompt lookup)."""
+speculative decoding (`speculative_generate` with a draft model, prompt lookup or suffix drafting)."""
 
 from .drafters import Draft, Drafter, ModelDrafter, PromptLookupDrafter
 from .driver import GenerationOutput, generate
@@ -8,6 +8,7 @@ from .speculative import SpeculativeOutput, speculative_generate
 from .speculative_batch import BatchSpeculativeOutput
 from .stop import DeferredStopCheck, StopCheck, is_async_device
 from .streamers import Streamer, TextStreamer, TokenCollector
+from .suffix import SuffixCorpus, SuffixDrafter
 
 __all__ = [
     "DeferredStopCheck",
@@ -20,6 +21,8 @@ __all__ = [
     "BatchSpeculativeOutput",
     "SpeculativeOutput",
     "StopCheck",
+    "SuffixCorpus",
+    "SuffixDrafter",
     "Streamer",
     "TextStreamer",
     "TokenCollector",

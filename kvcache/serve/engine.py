@@ -37,6 +37,7 @@ from ..cache import Cache
 from ..errors import CacheInputError
 from ..generation.drafters import Drafter, ModelDrafter, PromptLookupDrafter
 from ..generation.sampling import Sampling
+from ..generation.suffix import SuffixDrafter
 from ..store.payloads import model_module, storable
 from . import prefill
 from . import rows as batch_rows
@@ -121,15 +122,21 @@ class Engine:
 
     def __init__(self, model: Any, store: Any, *, eos: list[int], metrics: Metrics | None = None,
                  speculative: int = 0, max_batch: int = MAX_BATCH,
-                 max_step_tokens: int = MAX_STEP_TOKENS, draft_model: Any = None) -> None:  # fmt: skip
-        """`speculative`: draft tokens per row and step (0: none), by prompt lookup, or by
-        `draft_model` (a model of the same vocabulary; each row drafts with a cache of its own)."""
+                 max_step_tokens: int = MAX_STEP_TOKENS, draft_model: Any = None,
+                 suffix_corpus: Any = None) -> None:  # fmt: skip
+        """`speculative`: draft tokens per row and step (0: none), by prompt lookup, by
+        `draft_model` (a model of the same vocabulary; each row drafts with a cache of its own), or
+        from `suffix_corpus` (a `SuffixCorpus` every finished request's prompt and answer feeds,
+        shared by all requests of this engine: one model, one API key)."""
+        if draft_model is not None and suffix_corpus is not None:
+            raise CacheInputError("a draft model and a suffix corpus are alternatives: give one")
         if draft_model is not None and not speculative:
             raise CacheInputError("a draft model needs speculative > 0 (draft tokens per step)")
         if draft_model is not None and int(draft_model.vocab_size) != int(model.vocab_size):
             raise CacheInputError(f"the draft model's vocabulary ({int(draft_model.vocab_size)} tokens) is not the "
                                   f"served model's ({int(model.vocab_size)})")  # fmt: skip
         self.model, self.store, self.eos, self.draft_model = model, store, frozenset(eos), draft_model
+        self.suffix_corpus = suffix_corpus
         self.metrics = metrics or Metrics()
         self.speculative, self.max_batch, self.max_step_tokens = speculative, max_batch, max_step_tokens
         if any(not storable(layer, store.chunk_size) for layer in model.new_cache()):
@@ -268,11 +275,18 @@ class Engine:
             self._finish(request, "cancelled")
             return
         if self.speculative:
-            request.drafter = PromptLookupDrafter() if self.draft_model is None else ModelDrafter(self.draft_model)
+            request.drafter = self._new_drafter()
             request.drafter.start(request.prompt, device=self.device)
         self._emit(request, self._choose(request, logits))
         if request.finish_reason is None:
             self._ready.append(request)
+
+    def _new_drafter(self) -> Drafter:
+        if self.draft_model is not None:
+            return ModelDrafter(self.draft_model)
+        if self.suffix_corpus is not None:
+            return SuffixDrafter(self.suffix_corpus)
+        return PromptLookupDrafter()
 
     # ------------------------------------------------------------------------------ batch
     def _join(self) -> None:
@@ -360,6 +374,8 @@ class Engine:
 
     def _finish(self, request: Request, reason: str) -> None:
         request.finish_reason = reason
+        if self.suffix_corpus is not None and reason in ("stop", "length"):
+            self.suffix_corpus.add(request.prompt + request.tokens)  # later requests draft from it
         request.cache = None
         self._send(request, ("done", reason))
 

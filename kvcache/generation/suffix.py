@@ -1,0 +1,167 @@
+"""Drafting from what followed the current context before, in earlier requests and in this one.
+
+`SuffixCorpus` keeps, for every context of 1 to `max_depth` tokens that occurred in the sequences
+it was fed, how often each token followed it: a suffix trie cut at depth `max_depth`, stored flat
+(one dict entry per context, keyed by the context's tokens). Feeding a sequence costs
+O(length x depth); whole sequences are forgotten least recently fed first once the corpus holds
+more than `max_tokens` tokens, so memory stays within a budget. A `SuffixDrafter` looks up the
+longest suffix of the current sequence the corpus (or the sequence itself) has seen, proposes the
+most frequent continuation, and goes on from the proposal while the continuation stays likely
+enough: the draft is as long as the match is confident, and a proposal costs O(draft length x
+depth) whatever the corpus size. Several drafters (one per request or batch row) share one corpus.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..errors import GenerationError
+from .drafters import Draft, Drafter, DraftPicker
+
+Context = tuple[int, ...]
+
+
+def _check_positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise GenerationError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+class ContinuationCounts:
+    """How often each token followed each context of 1 to `depth` tokens, over fed token lists.
+
+    A context is keyed by the hash of its tokens (an int, not the tuple: a third of the memory).
+    Two contexts of one hash would share counts; that can only make a draft worse, never an
+    output: every draft is verified by the target."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self.counts: dict[int, dict[int, int]] = {}
+
+    def add(self, tokens: Sequence[int], start: int = 0, sign: int = 1) -> None:
+        """Count (or with `sign=-1` uncount) every continuation of `tokens` whose next token is at
+        position `start` or later."""
+        for end in range(max(start, 1), len(tokens)):
+            following = tokens[end]
+            for n in range(1, min(self.depth, end) + 1):
+                context = hash(tuple(tokens[end - n : end]))
+                table = self.counts.setdefault(context, {})
+                table[following] = table.get(following, 0) + sign
+                if table[following] <= 0:
+                    del table[following]
+                    if not table:
+                        del self.counts[context]
+
+    def get(self, context: Context) -> dict[int, int] | None:
+        return self.counts.get(hash(context))
+
+
+class SuffixCorpus:
+    """Continuation counts over the sequences fed to it (previous requests' prompts and answers),
+    at most `max_tokens` tokens of them (the least recently fed sequences are forgotten first)."""
+
+    def __init__(self, max_depth: int = 8, max_tokens: int = 1_000_000) -> None:
+        self.max_depth = _check_positive("max_depth", max_depth)
+        self.max_tokens = _check_positive("max_tokens", max_tokens)
+        self._counts = ContinuationCounts(max_depth)
+        self._sequences: OrderedDict[int, list[int]] = OrderedDict()
+        self._next_id = 0
+        self.tokens = 0
+
+    def __len__(self) -> int:
+        """Sequences held."""
+        return len(self._sequences)
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """Feed one sequence (a request's prompt and answer); forget the oldest ones past the budget."""
+        kept = [int(t) for t in tokens][-self.max_tokens :]
+        if len(kept) < 2:
+            return
+        self._counts.add(kept)
+        self._sequences[self._next_id] = kept
+        self._next_id += 1
+        self.tokens += len(kept)
+        while self.tokens > self.max_tokens:
+            _, oldest = self._sequences.popitem(last=False)
+            self._counts.add(oldest, sign=-1)
+            self.tokens -= len(oldest)
+
+    def get(self, context: Context) -> dict[int, int] | None:
+        return self._counts.get(context)
+
+
+class SuffixDrafter(Drafter):
+    """Proposes what most often followed the longest matching suffix of the sequence so far, in
+    the shared `corpus` and in the sequence itself (see the module docstring). Each proposed token
+    is the most frequent continuation of the longest context (at least `min_match` tokens) that
+    was seen; drafting stops where that continuation followed less than `min_share` of the times.
+    `start` feeds the sequence a previous `start` began (its prompt and what was decoded since) to
+    the corpus, so answers of earlier requests help later ones; `finish` does that explicitly."""
+
+    def __init__(self, corpus: SuffixCorpus | None = None, *, min_match: int = 2, min_share: float = 0.3) -> None:
+        self.corpus = corpus if corpus is not None else SuffixCorpus()
+        self.min_match = _check_positive("min_match", min_match)
+        if not 0.0 <= min_share <= 1.0:
+            raise GenerationError(f"min_share must be in [0, 1], got {min_share!r}")
+        self.min_share = min_share
+        self._own = ContinuationCounts(self.corpus.max_depth)
+        self._tokens: list[int] = []
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SuffixDrafter:
+        """A batch copies the drafter per row: each row gets its own sequence, the corpus is shared."""
+        twin = copy.copy(self)
+        twin._own, twin._tokens = ContinuationCounts(self.corpus.max_depth), []
+        return twin
+
+    def start(self, prompt: Sequence[int], *, device: torch.device, **kwargs: Any) -> None:
+        self.finish()
+        self._own = ContinuationCounts(self.corpus.max_depth)
+        self._tokens = []
+        self._catch_up(prompt)
+
+    def finish(self) -> None:
+        """Feed the sequence so far to the corpus (once) and forget it."""
+        if self._tokens:
+            self.corpus.add(self._tokens)
+        self._tokens, self._own = [], ContinuationCounts(self.corpus.max_depth)
+
+    def _catch_up(self, sequence: Sequence[int]) -> None:
+        done = len(self._tokens)
+        if len(sequence) < done or list(sequence[max(done - 1, 0) : done]) != self._tokens[max(done - 1, 0) :]:
+            self._own, self._tokens, done = ContinuationCounts(self.corpus.max_depth), [], 0
+        self._tokens.extend(int(t) for t in sequence[done:])
+        self._own.add(self._tokens, start=max(done, 1))
+
+    def propose(self, sequence: Sequence[int], num_tokens: int, pick: DraftPicker) -> Draft:
+        if num_tokens <= 0:
+            return Draft([])
+        self._catch_up(sequence)
+        context = self._tokens[-self.corpus.max_depth :]
+        drafted: list[int] = []
+        while len(drafted) < num_tokens:
+            choice = self._most_frequent(context)
+            if choice is None:
+                break
+            drafted.append(choice)
+            context = [*context, choice][-self.corpus.max_depth :]
+        return Draft(drafted)
+
+    def _most_frequent(self, context: list[int]) -> int | None:
+        """The most frequent continuation of the longest seen suffix of `context`, if it followed
+        at least `min_share` of the times (None otherwise, or when no suffix of `min_match`
+        tokens or more was seen)."""
+        for n in range(len(context), self.min_match - 1, -1):
+            key = tuple(context[-n:])
+            merged: dict[int, int] = {}
+            for table in (self.corpus.get(key), self._own.get(key)):
+                for token, count in (table or {}).items():
+                    merged[token] = merged.get(token, 0) + count
+            if merged:
+                token, count = max(merged.items(), key=lambda item: (item[1], -item[0]))
+                return token if count >= self.min_share * sum(merged.values()) else None
+        return None

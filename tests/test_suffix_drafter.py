@@ -1,0 +1,119 @@
+"""`SuffixDrafter` / `SuffixCorpus`: drafting from what followed the current context in earlier
+requests. Greedy output equals plain decoding (one row, a ragged batch, a hybrid model whose
+recurrent state is rolled back exactly); what earlier requests taught makes later drafts
+accepted; the corpus's counts equal a naive recount of the sequences it still holds, within its
+token budget."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+from test_speculative import make_target, plain_greedy
+
+from kvcache import GenerationError
+from kvcache.generation import generate, speculative_generate
+from kvcache.generation.suffix import SuffixCorpus, SuffixDrafter
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def targets():
+    return {kind: make_target(kind) for kind in ("full", "sliding", "hybrid")}
+
+
+@pytest.mark.parametrize("kind", ["full", "sliding", "hybrid"])
+def test_a_repeated_request_is_drafted_from_the_first_and_stays_exact(targets, kind: str) -> None:
+    """Two requests with one prompt: the second's answer is the first's, so nearly every draft of
+    the second request is accepted; both equal plain greedy decoding (caches included)."""
+    target = targets[kind]
+    prompt = torch.tensor([[5, 1, 9, 2, 7, 3, 3, 8]])
+    expected, expected_cache = plain_greedy(target, prompt, NEW)
+    corpus = SuffixCorpus()
+    outs = []
+    for _ in range(2):
+        out = speculative_generate(target, SuffixDrafter(corpus), prompt, num_draft_tokens=6, max_new_tokens=NEW,
+                                   draft_schedule="constant")  # fmt: skip
+        assert out.sequences[0].tolist() == expected
+        outs.append(out)
+        corpus.add(out.sequences[0].tolist())  # what a server does when a request finishes
+    assert len(corpus) == 2
+    second = outs[1]
+    assert sum(second.accepted_per_step) >= NEW - 6  # what the first answer taught
+    assert second.target_forwards < NEW / 2
+    from test_speculative import assert_same_cache
+
+    assert_same_cache(second.cache, expected_cache)
+
+
+def test_a_batch_shares_the_corpus_and_equals_batched_greedy(targets) -> None:
+    target = targets["hybrid"]
+    prompt = torch.tensor([[0, 0, 5, 1, 9, 2, 7], [4, 4, 6, 1, 9, 2, 7]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1] * 7])
+    want = generate(target, prompt, attention_mask=mask, max_new_tokens=NEW, eos_token_id=[])
+    corpus = SuffixCorpus()
+    real = torch.cat([mask, torch.ones(2, NEW, dtype=mask.dtype)], dim=1).bool()
+    for row, keep in zip(want.sequences, real, strict=True):  # earlier requests answered these prompts
+        corpus.add(row[keep].tolist())
+    got = speculative_generate(target, SuffixDrafter(corpus), prompt, attention_mask=mask, max_new_tokens=NEW,
+                               eos_token_id=[])  # fmt: skip
+    assert torch.equal(got.sequences, want.sequences)
+    assert all(rate > 0.5 for rate in got.acceptance_rates)  # each row drafted from its earlier answer
+    assert len(corpus) == 2  # the rows drafted from one shared corpus, not copies of it
+
+
+def test_no_repetition_drafts_nothing_and_stays_exact(targets) -> None:
+    target = targets["full"]
+    prompt = torch.tensor([[5, 1, 9, 2, 7]])
+    expected, _ = plain_greedy(target, prompt, NEW)
+    out = speculative_generate(target, SuffixDrafter(SuffixCorpus(), min_match=8), prompt, max_new_tokens=NEW)
+    assert out.sequences[0].tolist() == expected
+    assert sum(out.proposed_per_step) == 0
+
+
+def test_the_corpus_counts_equal_a_recount_within_its_budget() -> None:
+    rng = random.Random(0)
+    corpus = SuffixCorpus(max_depth=3, max_tokens=200)
+    fed = []
+    for _ in range(40):
+        seq = [rng.randrange(6) for _ in range(rng.randrange(2, 30))]
+        corpus.add(seq)
+        fed.append(seq)
+    assert corpus.tokens <= 200
+    held = fed[len(fed) - len(corpus) :]  # the most recently fed, in order
+    assert sum(len(s) for s in held) == corpus.tokens
+    naive: dict[tuple, Counter] = {}
+    for seq in held:
+        for end in range(1, len(seq)):
+            for n in range(1, min(3, end) + 1):
+                naive.setdefault(hash(tuple(seq[end - n : end])), Counter())[seq[end]] += 1
+    assert {k: dict(v) for k, v in naive.items()} == corpus._counts.counts
+
+
+def test_proposals_follow_the_most_frequent_continuation() -> None:
+    corpus = SuffixCorpus(max_depth=4)
+    for _ in range(3):
+        corpus.add([1, 2, 3, 4, 5])
+    corpus.add([1, 2, 3, 9, 9])
+    drafter = SuffixDrafter(corpus, min_share=0.5)
+    drafter.start([7, 1, 2], device=torch.device("cpu"))
+    assert drafter.propose([7, 1, 2], 5, lambda logits: (0, None)).tokens == [3, 4, 5]
+    assert drafter.propose([7, 1, 2], 1, lambda logits: (0, None)).tokens == [3]
+    strict = SuffixDrafter(corpus, min_share=0.9)  # 3 of 4 times is not enough for it
+    strict.start([1, 2, 3], device=torch.device("cpu"))
+    assert strict.propose([1, 2, 3], 3, lambda logits: (0, None)).tokens == []
+
+
+def test_bad_parameters_are_package_errors() -> None:
+    for bad in ({"max_depth": 0}, {"max_tokens": -1}, {"max_depth": 2.5}):
+        with pytest.raises(GenerationError):
+            SuffixCorpus(**bad)
+    with pytest.raises(GenerationError):
+        SuffixDrafter(min_share=1.5)
+    with pytest.raises(GenerationError):
+        SuffixDrafter(min_match=0)
