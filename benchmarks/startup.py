@@ -21,7 +21,7 @@ try:
 except ImportError:  # run as a script
     from common import Section, Table, Target, ratio, rotate_timings, run_as_script, seconds  # type: ignore[no-redef]
 
-REPEATS = {"smoke": 3, "quick": 2, "full": 15}
+REPEATS = {"smoke": 1, "quick": 2, "full": 15}
 #: The issue's bound for a command line that only prints.
 PRINT_ONLY_S = 0.5
 

@@ -43,9 +43,19 @@ class ServeProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, log: Path) -> ServeProcess:
+        return self.launch(log).wait_started()
+
+    def launch(self, log: Path) -> ServeProcess:
+        """Start the process without waiting for it (several servers start side by side)."""
         self.stderr_path = log
         argv = [sys.executable, "-m", "kvcache", "serve", "--port", str(self.port), *self.args]
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log.open("w"), env=self.env, text=True)
+        return self
+
+    def wait_started(self) -> ServeProcess:
+        """The bounded wait for `/health` of a launched process."""
+        assert self.proc is not None and self.stderr_path is not None
+        log = self.stderr_path
         if not wait_healthy(self.url, self.proc, START_TIMEOUT_S):
             self.stop()
             raise RuntimeError(f"kvcache serve did not start: {log.read_text()[-2000:]}")

@@ -25,7 +25,7 @@ from kvcache.models import load_default_model  # noqa: E402
 from kvcache.serve.served import bundled  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-CLIENTS, PER_ROUND, NEW = 32, 160, 24
+CLIENTS, PER_ROUND, NEW = 32, 120, 24
 TIME_LIMIT_S = 240
 WORDS = ("value", "name", "object", "method", "class", "list", "module", "type", "key", "file")
 

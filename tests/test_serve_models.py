@@ -101,15 +101,19 @@ def test_the_same_weights_at_another_path_share_a_store(tmp_path: Path) -> None:
     store = str(tmp_path / "store")
     prompt = "The value of the cache is the sum of its tokens. " * 4
     answers, cached = [], []
-    for model_dir in (where, copy):
-        process = ServeProcess("--model", str(model_dir), "--dtype", "float64", "--threads", "1",
-                               "--prefix-store", store)  # fmt: skip
-        process.start(tmp_path / f"{model_dir.parent.name}.log")
-        try:
+    processes = [ServeProcess("--model", str(model_dir), "--dtype", "float64", "--threads", "1",
+                              "--prefix-store", store).launch(tmp_path / f"{model_dir.parent.name}.log")
+                 for model_dir in (where, copy)]  # fmt: skip
+    try:
+        for process in processes:
+            process.wait_started()
+        for process in processes:  # one after the other: the second asks once the first's writes are done
             answer = client(process).completions.create(model="tiny-llama", prompt=prompt, max_tokens=8, temperature=0)
             answers.append(answer.choices[0].text)
             cached.append(answer.usage.prompt_tokens_details.cached_tokens)
-        finally:
+            settled(process)
+    finally:
+        for process in processes:
             assert process.terminate() == 0
     assert answers[0] == answers[1] and cached[0] == 0
     assert cached[1] == (answer.usage.prompt_tokens - 1) // 16 * 16 > 0
@@ -125,7 +129,9 @@ def test_two_servers_on_a_redis_cluster_share_a_chat(tmp_path: Path, redis_clust
                for _ in range(2)]  # fmt: skip
     single = ServeProcess("--model", str(where), "--dtype", "float64", "--threads", "1")  # a memory store
     for i, process in enumerate([*servers, single]):
-        process.start(tmp_path / f"serve{i}.log")
+        process.launch(tmp_path / f"serve{i}.log")
+    for process in [*servers, single]:
+        process.wait_started()
     try:
         runs = []
         for chosen in ([single] * 4, [servers[turn % 2] for turn in range(4)]):
