@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sqlite3
 import subprocess
 import sys
@@ -179,7 +180,11 @@ WORKER = textwrap.dedent(
 )
 
 
-def run_workers(where: str, budget: int, held: Any, count: int = 12) -> tuple[list[dict[str, int]], int]:
+#: Requests per worker process: 8 by default, 24 with KVCACHE_SLOW=1 (a longer soak).
+WORKER_REQUESTS = 24 if os.environ.get("KVCACHE_SLOW") == "1" else 8
+
+
+def run_workers(where: str, budget: int, held: Any, count: int = WORKER_REQUESTS) -> tuple[list[dict[str, int]], int]:
     """Four workers (`WORKER`) at once on the store at `where`, while `held()` (what the backend
     really holds, in bytes) is sampled every 5 ms; their results and the peak of `held()`. Fails
     when a worker fails."""
