@@ -8,6 +8,7 @@ recurrent rows come from `recurrent_rollback.memory_rows`, its crop-inside-a-ste
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -178,6 +179,22 @@ def _crop_sampler(layer: Any, k: int, inner: int):
     return sample
 
 
+def _why_not_croppable(layer: Any, inner: int) -> str | None:
+    """Why `layer` cannot take the crops a sample makes (`inner` crops of every k in a row, on a copy),
+    None when it can."""
+    if not bool(getattr(layer, "is_croppable", True)):
+        return "cannot roll back: the recurrent state is not restored (is_croppable is False)"
+    trial = copy.deepcopy(layer)
+    try:
+        for k in CROP_KS:
+            for _ in range(inner):
+                trial.crop(-k)
+            _decode(trial, inner * k)
+    except (RuntimeError, IndexError, ValueError) as err:
+        return f"cannot roll back {inner} crops in a row: {type(err).__name__} ({err})"[:160]
+    return None
+
+
 def rollback_scenario(mode: str) -> Section:
     size = ROLLBACK_SIZES[mode]
     contexts = size["contexts"]
@@ -196,9 +213,8 @@ def rollback_scenario(mode: str) -> Section:
     figures: dict[str, Any] = {}
     for kind in all_kinds(WINDOW, room=recorded + 2):
         layers = {c: _recorded(kind, c, recorded) for c in contexts}
-        exact = all(bool(getattr(layer, "is_croppable", True)) for layer in layers.values())
-        if not exact:
-            reason = "cannot roll back: the recurrent state is not restored (is_croppable is False)"
+        reason = next(filter(None, (_why_not_croppable(layer, size["inner"]) for layer in layers.values())), None)
+        if reason is not None:
             table.add(kind.name, "**no**", *["cannot roll back"] * (len(CROP_KS) * len(contexts)), "-")
             figures[kind.name] = reason
             continue
@@ -228,9 +244,10 @@ def rollback_scenario(mode: str) -> Section:
     section.tables.append(table)
     section.tables.append(_recurrent_crop_table(size["recurrent_reps"]))
     section.notes.append(
-        "transformers' dynamic, sliding and static layers crop by slicing or moving a counter, like ours; its "
-        "linear-attention layers (and the hybrids built on them) only trim the conv window and keep the latest "
-        "recurrent state, so they cannot roll back at all (they report `is_croppable = False`)."
+        "transformers' dynamic, sliding and static layers crop by slicing or moving a counter, like ours. Its "
+        "linear-attention layers (and the hybrids built on them) keep the latest recurrent state only before "
+        "5.25 (`is_croppable = False`); from 5.25 they keep the states of the forwards since the last crop and "
+        "drop them at each crop, so they undo part of the last forwards once, not a crop after a crop."
     )
     section.figures = {"contexts": list(contexts), "k": list(CROP_KS), "seconds_per_crop": figures}
     k = CROP_KS[1]
@@ -291,7 +308,8 @@ def _sliding_rows(kind: Kind, steps: tuple[int, ...]) -> list[dict[str, int]]:
 
 
 def _transformers_recurrent_rows(steps: tuple[int, ...]) -> list[dict[str, int]] | None:
-    """transformers' LinearAttentionLayer recording r steps: it keeps conv inputs, but one state only."""
+    """transformers' LinearAttentionLayer recording r steps: its conv inputs, and one state (before 5.25) or
+    the states since the last crop."""
     theirs = next((k for k in transformers_kinds(WINDOW, 0) if k.family == "recurrent"), None)
     if theirs is None:
         return None
@@ -305,8 +323,10 @@ def _transformers_recurrent_rows(steps: tuple[int, ...]) -> list[dict[str, int]]
             wrapper.update(token, token)
         done = r
         layer = wrapper.layer
-        held = storage_bytes([layer.conv_states[0], layer.recurrent_states[0]])
-        rows.append({"recorded": r, "held": held, "states": 1, "conv_columns": layer.conv_states[0].shape[-1]})
+        history = list(getattr(layer, "recurrent_states_history", {}).get(0, []))  # transformers >= 5.25
+        held = storage_bytes([layer.conv_states[0], layer.recurrent_states[0], *history])
+        rows.append({"recorded": r, "held": held, "states": 1 + len(history),
+                     "conv_columns": layer.conv_states[0].shape[-1]})  # fmt: skip
     return rows
 
 
@@ -448,7 +468,7 @@ def memory_scenario(mode: str) -> Section:
         table.add(
             "transformers LinearAttentionLayer",
             row["recorded"],
-            f"{row['states']} (cannot roll back)",
+            row["states"] if row["states"] > 1 else "1 (cannot roll back)",
             1 + row["recorded"],
             row["conv_columns"],
             f"{row['held']:,}",

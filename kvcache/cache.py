@@ -186,6 +186,18 @@ class Cache:
         layer = self._recurrent_layer(layer_idx, "update_recurrent_state")
         return layer.update_recurrent_state(recurrent_states, state_idx=state_idx, **kwargs)
 
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        """Count one token the model fed into layer `layer_idx`'s conv window in place (transformers
+        >= 5.25 reports its single-token fast path so; before, such tokens went uncounted)."""
+        self._recurrent_layer(layer_idx, "increase_count").increase_count(state_idx)
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """How many per-token states a recurrent mixer's multi-token forward should hand over
+        (transformers >= 5.25 asks; it computes them token by token): none. kvcache's own loops get
+        them from their verify forwards as `intermediate_states=`; adapters for transformers'
+        loops answer otherwise (`TransformersCache`)."""
+        return 0
+
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         """The conv window of layer `layer_idx`, None before its first update."""
         return self._recurrent_layer(layer_idx, "get_conv_state").get_conv_state(state_idx)

@@ -144,11 +144,50 @@ def test_recurrent_only_token_counts() -> None:
     assert layer.get_seq_length() == 6
 
 
+def test_states_after_the_last_tokens_of_a_step_let_crops_land_there_only() -> None:
+    """A 6-token conv step handed the states after its last 3 tokens (transformers >= 5.25 computes
+    only those): crops of 1 and 2 tokens land on the given states, a crop of 6 on the state before
+    the step; 3, 4 and 5 land where no state is known and are refused with nothing changed."""
+    for crop in range(7):
+        layer = RecurrentLayer()
+        layer.update_conv_state(rand(1, 2, 5, seed=0), conv_kernel_size=K)
+        layer.update_recurrent_state(rand(1, 3, seed=1))
+        before = layer.get_recurrent_state().clone()
+        layer.activate_past_recording()
+        layer.update_conv_state(rand(1, 2, 6, seed=2))
+        states = rand(1, 3, 3, seed=3)  # after tokens 4, 5, 6
+        layer.update_recurrent_state(states[:, -1].clone(), intermediate_states=states)
+        expected = {0: states[:, 2], 1: states[:, 1], 2: states[:, 0], 6: before}
+        if crop in expected:
+            layer.crop(-crop)
+            assert torch.equal(layer.get_recurrent_state(), expected[crop]), crop
+            assert layer.get_seq_length() == 11 - crop
+        else:
+            with pytest.raises(RollbackError):
+                layer.crop(-crop)
+            assert torch.equal(layer.get_recurrent_state(), states[:, 2]) and layer.get_seq_length() == 11
+
+
+def test_in_place_conv_tokens_are_counted_and_refused_while_recording() -> None:
+    """transformers >= 5.25 reports a conv window it updated in place (`increase_count`): the layer
+    counts the token, and the recurrent update that follows belongs to that token's step."""
+    layer = RecurrentLayer()
+    layer.update_conv_state(rand(1, 2, 5, seed=0), conv_kernel_size=K)
+    layer.update_recurrent_state(rand(1, 3, seed=1))
+    layer.increase_count()
+    layer.update_recurrent_state(rand(1, 3, seed=2))
+    assert layer.get_seq_length() == 6
+    layer.activate_past_recording()
+    with pytest.raises(RollbackError, match="in place"):
+        layer.increase_count()
+    assert layer.get_seq_length() == 6
+
+
 def test_conv_step_and_recurrent_token_counts_must_agree() -> None:
     layer = RecurrentLayer()
     layer.update_conv_state(rand(1, 2, 3, seed=0), conv_kernel_size=K)
-    with pytest.raises(CacheInputError, match="conv update"):
-        layer.update_recurrent_state(rand(1, 3, seed=1), intermediate_states=rand(1, 2, 3, seed=2))
+    with pytest.raises(CacheInputError, match="conv update"):  # more states than the step's tokens
+        layer.update_recurrent_state(rand(1, 3, seed=1), intermediate_states=rand(1, 4, 3, seed=2))
     assert layer.get_recurrent_state() is None
 
 

@@ -111,6 +111,50 @@ def test_proposals_follow_the_most_frequent_continuation() -> None:
     assert strict.propose([1, 2, 3], 3, lambda logits: (0, None)).tokens == []
 
 
+def _naive_draft(fed: list[list[int]], sequence: list[int], k: int, depth: int, min_match: int,
+                 min_share: float) -> list[int]:
+    """The drafting rule recomputed from the raw token lists: for each drafted token, scan every
+    context length from the longest down, count what followed it in the fed sequences and in the
+    sequence itself (its last occurrence, which nothing follows yet, excluded)."""
+    seq, out = list(sequence), []
+    while len(out) < k:
+        context, choice = seq[-depth:], None
+        for n in range(len(context), min_match - 1, -1):
+            key, counts = context[-n:], Counter()
+            for source in [*fed, sequence]:  # the drafter's own table is the sequence before drafting
+                for end in range(n, len(source)):
+                    if source[end - n : end] == key:
+                        counts[source[end]] += 1
+            if counts:
+                token, count = max(counts.items(), key=lambda item: (item[1], -item[0]))
+                choice = token if count >= min_share * sum(counts.values()) else None
+                break
+        if choice is None:
+            break
+        out.append(choice)
+        seq.append(choice)
+    return out
+
+
+def test_proposals_equal_a_naive_scan_of_the_fed_sequences() -> None:
+    """The drafter's longest-match search (one lookup while a draft follows the corpus, a binary
+    search otherwise) finds what scanning every context length over the raw lists finds."""
+    rng = random.Random(3)
+    for trial in range(60):
+        depth, alphabet = rng.choice([3, 4, 8]), rng.choice([3, 5, 12])
+        corpus = SuffixCorpus(max_depth=depth)
+        fed = [[rng.randrange(alphabet) for _ in range(rng.randrange(2, 40))] for _ in range(rng.randrange(1, 6))]
+        for seq in fed:
+            corpus.add(seq)
+        min_match, min_share = rng.choice([1, 2]), rng.choice([0.0, 0.3, 0.6])
+        drafter = SuffixDrafter(corpus, min_match=min_match, min_share=min_share)
+        sequence = [rng.randrange(alphabet) for _ in range(rng.randrange(1, 20))]
+        drafter.start(sequence, device=torch.device("cpu"))
+        k = rng.randrange(1, 12)
+        got = drafter.propose(sequence, k, lambda logits: (0, None)).tokens
+        assert got == _naive_draft(fed, sequence, k, depth, min_match, min_share), trial
+
+
 def test_bad_parameters_are_package_errors() -> None:
     for bad in ({"max_depth": 0}, {"max_tokens": -1}, {"max_depth": 2.5}):
         with pytest.raises(GenerationError):

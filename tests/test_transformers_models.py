@@ -465,7 +465,7 @@ def test_the_extra_asks_for_the_range_the_import_check_accepts() -> None:
     assert "packaging" in extra
     spec = extra["transformers"].specifier
     low, high = SUPPORTED_TRANSFORMERS
-    for version in ("5.23.9", str(low), f"{TESTED_TRANSFORMERS}.7", "5.31.0", "5.99", str(high), "6.1"):
+    for version in ("5.23.9", str(low), *(f"{v}.7" for v in TESTED_TRANSFORMERS), "5.31.0", "5.99", str(high), "6.1"):
         assert spec.contains(version) == (low <= Version(version) < high), version
 
 

@@ -7,6 +7,7 @@ immediate stop check, transformers' own generate() with its own cache.
 
 from __future__ import annotations
 
+from importlib.metadata import version
 from typing import Any
 
 import pytest
@@ -31,6 +32,10 @@ from kvcache.integrations.transformers import as_transformers_cache, cache_from_
 from kvcache.persistence import load_cache, save_cache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+#: transformers 5.25 added per-token recurrent states for crops inside a forward (`recurrent_states_to_keep`).
+KEEPS_RECURRENT_STATES = tuple(int(part) for part in version("transformers").split(".")[:2]) >= (5, 25)
 
 
 def contents(cache: Any) -> dict[str, Any]:
@@ -98,8 +103,9 @@ def test_crop_undoes_decode_steps_exactly(kind: str) -> None:
 
 @pytest.mark.parametrize("kind", ["qwen3_next", "mamba2"])
 def test_recurrent_crop_inside_a_step_is_refused_and_changes_nothing(kind: str) -> None:
-    """transformers models hand over no per-token states, so a 3-token step is undone whole or not at all;
-    transformers' own cache cannot undo even that (it reports itself not croppable)."""
+    """transformers models hand over no per-token states unless the cache asks for them (>= 5.25), and a
+    kvcache cache recording on its own asks for none, so a 3-token step is undone whole or not at all.
+    transformers' own cache (5.24) cannot undo even that: it reports itself not croppable."""
     model, source, detour = tiny_model(kind), prompt(), detour_tokens()
     ours = Stepper(model, cache_from_config(model.config), source)
     ours(source)
@@ -113,6 +119,8 @@ def test_recurrent_crop_inside_a_step_is_refused_and_changes_nothing(kind: str) 
     assert ours.cache.max_rollback == 0
 
     theirs = Stepper(model, hf_cache(model), source)
+    if KEEPS_RECURRENT_STATES:
+        return  # transformers >= 5.25 keeps per-token states itself when asked: nothing to compare
     theirs(source)
     theirs.cache.activate_past_recording()
     theirs(detour[:, :3])
@@ -294,6 +302,38 @@ def test_conv_only_layers_roll_back_to_any_token(monkeypatch: pytest.MonkeyPatch
         got, want = ours(cont[:, i : i + 1]), never(cont[:, i : i + 1])
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m, i=i: f"step {i}: {m}")
         assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "mamba2"])
+def test_transformers_prompt_lookup_crops_inside_a_recurrent_forward(kind: str) -> None:
+    """transformers >= 5.25 runs prompt lookup on recurrent models: it asks the cache how many
+    per-token states a verify forward should hand over and crops inside that forward. Through the
+    adapter they become the step's `intermediate_states`, so every crop lands on a known state and
+    the output is plain greedy decoding's, with drafts rejected on the way. Tokens, not logits, are
+    compared: the verify forward computes its last states token by token, plain decoding in chunks
+    (other rounding). transformers' own cache does not get there on Mamba2 (5.25: it diverges at
+    token 22 of this run; its crop of N tokens returns to the state before the whole forward)."""
+    model = tiny_model(kind)
+    if not KEEPS_RECURRENT_STATES:
+        pytest.skip("transformers < 5.25 keeps no per-token recurrent states")
+    source = prompt()[:1].repeat(1, 3)  # repetitive: the prompt-lookup drafter finds candidates
+    kv = cache_from_config(model.config)
+    crops: list[int] = []
+    plain_crop = type(kv).crop
+
+    def spy(self: Any, tokens_to_remove: Any) -> None:
+        crops.append(int(tokens_to_remove))
+        plain_crop(self, tokens_to_remove)
+
+    type(kv).crop = spy  # type: ignore[method-assign]
+    try:
+        ours = model.generate(source, max_new_tokens=40, do_sample=False, cache=as_transformers_cache(kv),
+                              prompt_lookup_num_tokens=3)
+    finally:
+        type(kv).crop = plain_crop  # type: ignore[method-assign]
+    plain = model.generate(source, max_new_tokens=40, do_sample=False)
+    assert torch.equal(ours, plain)
+    assert any(n < 0 for n in crops), "no draft was rejected: the test exercised nothing"
 
 
 @pytest.mark.parametrize("kind", ["gemma3", "lfm2"])

@@ -74,6 +74,10 @@ class ContinuationCounts:
                 else:
                     counts[key] = {held & 0xFFFFFFFF: held >> 32, following: 1}
 
+    def seen(self, context: Context) -> bool:
+        """Whether `context` was followed by some token (then every suffix of it was too)."""
+        return hash(context) in self.counts
+
     def get(self, context: Context) -> dict[int, int] | None:
         held = self.counts.get(hash(context))
         if held is None or isinstance(held, dict):
@@ -114,6 +118,9 @@ class SuffixCorpus:
 
     def get(self, context: Context) -> dict[int, int] | None:
         return self._counts.get(context)
+
+    def seen(self, context: Context) -> bool:
+        return self._counts.seen(context)
 
 
 class SuffixDrafter(Drafter):
@@ -162,27 +169,58 @@ class SuffixDrafter(Drafter):
         if num_tokens <= 0:
             return Draft([])
         self._catch_up(sequence)
-        context = self._tokens[-self.corpus.max_depth :]
+        depth = self.corpus.max_depth
+        context = self._tokens[-depth:]
         drafted: list[int] = []
+        longest = len(context)  # the longest seen suffix is at most this long
         while len(drafted) < num_tokens:
-            choice = self._most_frequent(context)
+            n, key = self._longest_seen(context, longest)
+            choice = None if n == 0 else self._most_frequent(key)
             if choice is None:
                 break
             drafted.append(choice)
-            context = [*context, choice][-self.corpus.max_depth :]
+            context = [*context, choice][-depth:]
+            longest = min(n + 1, len(context))  # context + choice was followed by something only if context was
         return Draft(drafted)
 
-    def _most_frequent(self, context: list[int]) -> int | None:
-        """The most frequent continuation of the longest seen suffix of `context`, if it followed
-        at least `min_share` of the times (None otherwise, or when no suffix of `min_match`
-        tokens or more was seen)."""
-        for n in range(len(context), self.min_match - 1, -1):
-            key = tuple(context[-n:])
-            merged: dict[int, int] = {}
-            for table in (self.corpus.get(key), self._own.get(key)):
-                for token, count in (table or {}).items():
-                    merged[token] = merged.get(token, 0) + count
-            if merged:
-                token, count = max(merged.items(), key=lambda item: (item[1], -item[0]))
-                return token if count >= self.min_share * sum(merged.values()) else None
-        return None
+    def _seen(self, key: int) -> bool:
+        return key in self.corpus._counts.counts or key in self._own.counts
+
+    def _longest_seen(self, context: list[int], at_most: int) -> tuple[int, int]:
+        """The length of the longest suffix of `context` (of `min_match` to `at_most` tokens) seen as a
+        context, 0 if none. A context is counted with all its suffixes, so "seen" is monotone in the
+        length: one lookup when the longest is `at_most` (the usual case while a draft follows the
+        corpus), a binary search of about log2(depth) lookups otherwise, whatever the corpus size.
+        Returned with that context's key."""
+        low, high = self.min_match, at_most
+        if high < low:
+            return 0, 0
+        key = hash(tuple(context[-high:]))
+        if self._seen(key):
+            return high, key
+        found, found_key = 0, 0
+        high -= 1
+        while low <= high:
+            mid = (low + high) // 2
+            key = hash(tuple(context[-mid:]))
+            if self._seen(key):
+                found, found_key, low = mid, key, mid + 1
+            else:
+                high = mid - 1
+        return found, found_key
+
+    def _most_frequent(self, key: int) -> int | None:
+        """The most frequent continuation of the seen context of key `key`, if it followed at least
+        `min_share` of the times (None otherwise)."""
+        ours, own = self.corpus._counts.counts.get(key), self._own.counts.get(key)
+        if isinstance(ours, int) and own is None:  # one token ever followed it: the usual case
+            return ours & 0xFFFFFFFF
+        merged: dict[int, int] = {}
+        for held in (ours, own):
+            table = {held & 0xFFFFFFFF: held >> 32} if isinstance(held, int) else (held or {})
+            for token, count in table.items():
+                merged[token] = merged.get(token, 0) + count
+        if not merged:
+            return None
+        token, count = max(merged.items(), key=lambda item: (item[1], -item[0]))
+        return token if count >= self.min_share * sum(merged.values()) else None

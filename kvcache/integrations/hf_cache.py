@@ -39,15 +39,32 @@ class TransformersCache(HFCache):
         self.layer_class_to_replicate = None
         self.offloading = False
         self.one_forward_history = False  # set when transformers itself starts recording (see below)
+        self.states_to_keep = 0  # the most tokens transformers will crop from one forward (>= 5.25)
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **kwargs: Any) -> None:
         """transformers' generation loops call this when they will undo part of the *next* forward
         only (assisted and prompt-lookup decoding, their deferred stop check), and expect layers to
         stay at working size otherwise. So, started through the adapter, recording keeps one forward
         of history: each layer commits before its next update, and `crop` commits too. Recording
-        started on the kvcache cache itself keeps kvcache's semantics (history since the commit point)."""
+        started on the kvcache cache itself keeps kvcache's semantics (history since the commit point).
+        `recurrent_states_to_keep` (transformers >= 5.25) is how many tokens of one forward it may crop."""
         self.cache.activate_past_recording()
         self.one_forward_history = True
+        self.states_to_keep = max(self.states_to_keep, recurrent_states_to_keep or 0)
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """How many per-token states layer `layer_idx`'s multi-token forward should hand over.
+
+        transformers >= 5.25 computes the states after a forward's last N tokens token by token when
+        asked, so that its loops can crop inside that forward. To land a crop of up to
+        `recurrent_states_to_keep` tokens on a known state, a kvcache step needs one more than that
+        (the state the crop returns to); 0 while transformers is not recording, so kvcache's own
+        forwards keep the model's fast path. `layer_idx=None`: the crop depth asked for."""
+        if layer_idx is None:
+            return self.states_to_keep
+        if not self.one_forward_history or not self.states_to_keep:
+            return 0
+        return self.states_to_keep + 1
 
     def _commit_before_update(self, layer_idx: int) -> None:
         """Commit layer `layer_idx` at its first update of a forward (one forward of history). A
@@ -115,9 +132,26 @@ class TransformersCache(HFCache):
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         return self.cache.get_recurrent_state(layer_idx, state_idx)
 
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        self.cache.increase_count(layer_idx, state_idx)
+
     def update_recurrent_state(
-        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
+        self, recurrent_states: torch.Tensor | list[torch.Tensor], layer_idx: int, state_idx: int = 0, **kwargs: Any
     ) -> torch.Tensor:
+        """transformers >= 5.25 hands a list where `get_recurrent_states_to_keep` asked for states: the
+        states after the forward's last tokens, the final one last. They become the step's
+        `intermediate_states` (the states after its last tokens) when a conv update opened the step
+        with at least that many tokens; otherwise only the final state is kept."""
+        if isinstance(recurrent_states, (list, tuple)):
+            states = list(recurrent_states)
+            if not states:
+                raise CacheInputError(f"update_recurrent_state: layer {layer_idx} got an empty list of states")
+            layer = self.cache.layers[layer_idx] if layer_idx < len(self.cache.layers) else None
+            open_tokens = getattr(layer, "open_step_tokens", None)
+            tokens = open_tokens(state_idx) if open_tokens is not None else None
+            if len(states) > 1 and tokens is not None and tokens >= len(states):
+                kwargs["intermediate_states"] = torch.stack(states, dim=1)
+            recurrent_states = states[-1]
         return self.cache.update_recurrent_state(recurrent_states, layer_idx, state_idx, **kwargs)
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
@@ -184,9 +218,9 @@ class TransformersEncoderDecoderCache(HFEncoderDecoderCache):
     def is_updated(self) -> dict[int, bool]:  # type: ignore[override]
         return self.cache.is_updated
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **kwargs: Any) -> None:
         """As `TransformersCache.activate_past_recording`, for the decoder's self-attention part."""
-        self.self_attention_cache.activate_past_recording()
+        self.self_attention_cache.activate_past_recording(recurrent_states_to_keep)
         self.cache.activate_past_recording()
 
     def __repr__(self) -> str:
@@ -211,7 +245,8 @@ def _with_mode(new: Any, old: Any) -> Any:
     """Carry the recording mode transformers set on `old` over to its copy `new`."""
     part = getattr(old, "self_attention_cache", old)
     if getattr(part, "one_forward_history", False):
-        getattr(new, "self_attention_cache", new).one_forward_history = True
+        target = getattr(new, "self_attention_cache", new)
+        target.one_forward_history, target.states_to_keep = True, part.states_to_keep
     return new
 
 

@@ -22,7 +22,7 @@ from transformers.activations import ACT2FN
 
 from .hf_scans import gated_delta_states, mamba2_states
 
-#: The mixer classes this gives a chunk forward (checked against transformers 5.24).
+#: The mixer classes this gives a chunk forward (checked against transformers 5.24 and 5.25).
 MIXER_CLASSES = ("Mamba2Mixer", "Qwen3NextGatedDeltaNet")
 
 

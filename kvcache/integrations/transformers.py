@@ -10,7 +10,7 @@
 
 Needs the optional extra `kvcache[transformers]`: transformers >=5.24,<6 (the supported range; the
 extra asks for the same, so an installed transformers inside it is kept). Versions outside it are
-refused at import; versions inside it other than the tested 5.24.x import with a warning, since
+refused at import; versions inside it other than the tested 5.24.x and 5.25.x import with a warning, since
 transformers changes its cache protocol between minor versions. Nothing else in kvcache imports
 transformers.
 """
@@ -28,19 +28,20 @@ from .hf_models import TransformersCausalLM, TransformersEncoderDecoderLM, wrap_
 
 #: transformers versions this integration supports, [low, high): the `kvcache[transformers]` extra's range.
 SUPPORTED_TRANSFORMERS = (Version("5.24"), Version("6"))
-#: The minor version it is tested with; others in the supported range warn.
-TESTED_TRANSFORMERS = Version("5.24")
+#: The minor versions it is tested with; others in the supported range warn.
+TESTED_TRANSFORMERS = (Version("5.24"), Version("5.25"))
+_TESTED = " and ".join(f"{v}.x" for v in TESTED_TRANSFORMERS)
 
 _found = Version(transformers.__version__)
 if not SUPPORTED_TRANSFORMERS[0] <= _found < SUPPORTED_TRANSFORMERS[1]:
     raise ImportError(
         f"kvcache.integrations.transformers needs transformers >={SUPPORTED_TRANSFORMERS[0]},"
-        f"<{SUPPORTED_TRANSFORMERS[1]} (tested: {TESTED_TRANSFORMERS}.x), found {transformers.__version__}: "
+        f"<{SUPPORTED_TRANSFORMERS[1]} (tested: {_TESTED}), found {transformers.__version__}: "
         'pip install "kvcache[transformers]"'
     )
-if _found.release[:2] != TESTED_TRANSFORMERS.release[:2]:
+if _found.release[:2] not in {v.release[:2] for v in TESTED_TRANSFORMERS}:
     warnings.warn(
-        f"kvcache.integrations.transformers is tested with transformers {TESTED_TRANSFORMERS}.x, found "
+        f"kvcache.integrations.transformers is tested with transformers {_TESTED}, found "
         f"{transformers.__version__}; transformers changes its cache protocol between minor versions",
         stacklevel=2,
     )

@@ -82,6 +82,12 @@ class HybridLayer(CacheLayer):
     def get_recurrent_state(self, state_idx: int = 0) -> torch.Tensor | None:
         return self.recurrent.get_recurrent_state(state_idx)
 
+    def increase_count(self, state_idx: int = 0) -> None:
+        self.recurrent.increase_count(state_idx)
+
+    def open_step_tokens(self, state_idx: int = 0) -> int | None:
+        return self.recurrent.open_step_tokens(state_idx)  # type: ignore[no-any-return]
+
     def has_previous_state(self, state_idx: int | None = None) -> bool:
         return self.recurrent.has_previous_state(state_idx)
 

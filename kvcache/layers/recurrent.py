@@ -212,7 +212,8 @@ class RecurrentLayer(CacheLayer):
         attach = slot.open_tokens is not None
 
         if self._recording:
-            inter_copy = None if k is None or k == 1 else intermediate_states[:, : k - 1].clone()  # type: ignore[index]
+            partial = k is not None and k < tokens  # states after the step's last k tokens only
+            inter_copy = None if k is None or k == 1 or partial else intermediate_states[:, : k - 1].clone()  # type: ignore[index]
             step = slot.steps[-1] if attach and slot.steps and slot.steps[-1].open else None
             if step is None:
                 if slot.steps:
@@ -226,6 +227,8 @@ class RecurrentLayer(CacheLayer):
                 step = Step(tokens=tokens, conv_tokens=0, before=before)  # type: ignore[arg-type]
                 slot.steps.append(step)
             step.inter, step.rec_updated, step.open = inter_copy, True, False
+            if partial and k > 1:  # type: ignore[operator]
+                self._split_step(slot, step, intermediate_states[:, : k - 1])  # type: ignore[index]
         if held is None:
             slot.rec = recurrent_states.clone()
         else:
@@ -234,6 +237,37 @@ class RecurrentLayer(CacheLayer):
             slot.seen += tokens  # type: ignore[operator]
         slot.open_tokens = None
         return slot.rec  # type: ignore[return-value]
+
+    @staticmethod
+    def _split_step(slot: Slot, step: Step, known: torch.Tensor) -> None:
+        """Record a step whose states are known only after its last `known.shape[1] + 1` tokens as two
+        steps: its first tokens up to the first known state (restorable only at its start), then the
+        rest, which starts on that state and knows every state inside it."""
+        tail = known.shape[1]  # tokens after the first known state
+        head = step.tokens - tail
+        step.tokens, step.conv_tokens = head, head if step.conv_tokens else 0
+        inter = known[:, 1:].clone() if tail > 1 else None
+        rest = Step(tokens=tail, conv_tokens=tail if step.conv_tokens else 0, before=slot.snapshot(known[:, 0]))
+        rest.inter, rest.rec_updated, rest.open = inter, True, False
+        slot.steps.append(rest)
+
+    def increase_count(self, state_idx: int = 0) -> None:
+        """Count one token whose conv input the model wrote into the held window in place (transformers
+        >= 5.25 reports its single-token fast path so). The recurrent update that may follow belongs
+        to that token's step. Models take that path only while not recording (they ask
+        `is_recording_past`); while recording the window's history would be lost, so it is refused."""
+        if self._recording:
+            raise RollbackError(
+                "a model updated a conv window in place while the layer records: that token could not be rolled back"
+            )
+        slot = self._slot(state_idx)
+        slot.seen += 1
+        slot.open_tokens = 1
+
+    def open_step_tokens(self, state_idx: int = 0) -> int | None:
+        """Tokens of the step a conv update opened and no recurrent update has closed yet (None: no
+        open step): the count an `intermediate_states=` for that step must have."""
+        return self._slot(state_idx).open_tokens
 
     def get_recurrent_state(self, state_idx: int = 0) -> torch.Tensor | None:
         """The held recurrent state, None before the first recurrent update."""

@@ -30,7 +30,8 @@ def step_tokens(
 ) -> tuple[int | None, int]:
     """Check an `update_recurrent_state` call's step arguments against each other and against the
     conv update that opened the step (`open_tokens`); return `(k, tokens)`: the number of
-    intermediate states given (None: none) and the step's token count (the step rule)."""
+    intermediate states given (None: none) and the step's token count (the step rule). A step a
+    conv update opened may get fewer states than tokens: the states after its last `k` tokens."""
     k = None
     if intermediate_states is not None:
         inter, like = intermediate_states, recurrent_states
@@ -49,7 +50,7 @@ def step_tokens(
     attach = open_tokens is not None
     tokens = open_tokens if attach else (k or num_tokens or 1)
     for given, label in ((k, "intermediate_states.shape[1]"), (num_tokens, "num_tokens")):
-        if given is not None and given != tokens:
+        if given is not None and given != tokens and not (attach and given is k and given < tokens):
             source = "the conv update of this step" if attach else "the other argument"
             raise CacheInputError(f"update_recurrent_state: {label} = {given} but {source} gave {tokens} token(s)")
     return k, tokens  # type: ignore[return-value]

@@ -98,13 +98,15 @@ class StaticRecurrentLayer(CacheLayer):
         slot.floor = torch.sym_max(slot.floor, slot.seen - self.rollback_tokens)
 
     def _keep_intermediate(self, slot: StaticSlot, inter: torch.Tensor, tokens: int) -> None:
-        """Store `inter[:, i]` (the state after token i of the step just counted) for every i < tokens - 1."""
-        if not self._recording or tokens < 2 or slot.snaps is None or slot.known is None:
+        """Store the states inside the step just counted: `inter[:, i]` is the state after its token
+        `tokens - k + i` (`k = inter.shape[1]`, which may be less than `tokens`), the last one excluded."""
+        k = inter.shape[1]
+        if not self._recording or k < 2 or slot.snaps is None or slot.known is None:
             return
-        ring, first = self.rollback_tokens, slot.seen - tokens + 1  # count after the step's first token
-        take = min(tokens - 1, ring)
-        counts = torch.arange(take, device=slot.known.device) + (first + tokens - 1 - take)
-        slot.snaps.index_copy_(0, counts % ring, inter[:, tokens - 1 - take : tokens - 1].transpose(0, 1))
+        ring = self.rollback_tokens
+        take = min(k - 1, ring)
+        counts = torch.arange(take, device=slot.known.device) + (slot.seen - take)
+        slot.snaps.index_copy_(0, counts % ring, inter[:, k - 1 - take : k - 1].transpose(0, 1))
         slot.known.index_fill_(0, counts % ring, True)
 
     # -------------------------------------------------------------------------- conv states
@@ -182,6 +184,23 @@ class StaticRecurrentLayer(CacheLayer):
             self._keep_intermediate(slot, inter, tokens)
         slot.open_tokens, slot.started = None, True
         return slot.rec
+
+    def increase_count(self, state_idx: int = 0) -> None:
+        """As `RecurrentLayer.increase_count`. The in-place write shifted only the window, not the
+        columns before it, so no token before this one can be undone any more."""
+        if self._recording:
+            raise RollbackError(
+                "a model updated a conv window in place while the layer records: that token could not be rolled back"
+            )
+        slot = self._slot(state_idx)
+        self._open_step(slot, 1, before_lost=False)
+        slot.floor = slot.seen
+        slot.open_tokens, slot.started = 1, True
+
+    def open_step_tokens(self, state_idx: int = 0) -> int | None:
+        """Tokens of the step a conv update opened and no recurrent update has closed yet (None: no
+        open step): the count an `intermediate_states=` for that step must have."""
+        return self._slot(state_idx).open_tokens
 
     def get_recurrent_state(self, state_idx: int = 0) -> torch.Tensor | None:
         slot = self._slot(state_idx)
