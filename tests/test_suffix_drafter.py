@@ -14,7 +14,7 @@ import torch
 from test_speculative import make_target, plain_greedy
 
 from kvcache import GenerationError
-from kvcache.generation import generate, speculative_generate
+from kvcache.generation import DraftGate, generate, speculative_generate
 from kvcache.generation.suffix import SuffixCorpus, SuffixDrafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -67,6 +67,30 @@ def test_a_batch_shares_the_corpus_and_equals_batched_greedy(targets) -> None:
     assert len(corpus) == 2  # the rows drafted from one shared corpus, not copies of it
 
 
+def test_a_gate_carried_across_requests_keeps_what_it_measured(targets) -> None:
+    """`draft_schedule=DraftGate(k)` is the adaptive schedule carried from call to call (as the
+    corpus is): every run stays exact, and the gate's measurements accumulate across them. Calls it
+    cannot serve are refused before any work, the gate untouched."""
+    target = targets["full"]
+    prompt = torch.tensor([[5, 1, 9, 2, 7, 3, 3, 8]])
+    expected, _ = plain_greedy(target, prompt, NEW)
+    corpus, gate = SuffixCorpus(), DraftGate(6)
+    clocks = []
+    for _ in range(3):
+        out = speculative_generate(target, SuffixDrafter(corpus), prompt, num_draft_tokens=6, max_new_tokens=NEW,
+                                   draft_schedule=gate)  # fmt: skip
+        assert out.sequences[0].tolist() == expected
+        corpus.add(out.sequences[0].tolist())
+        clocks.append((gate.cost.clock, gate.judged))
+    assert clocks[0] < clocks[1] < clocks[2]  # one gate measured all three runs
+    batch = {"input_ids": prompt.repeat(2, 1), "attention_mask": torch.ones(2, prompt.shape[1], dtype=torch.long)}
+    for bad in ({"num_draft_tokens": 4}, {"do_sample": True}, batch):
+        kwargs = {"input_ids": prompt, "num_draft_tokens": 6, "max_new_tokens": 4, **bad}
+        with pytest.raises(GenerationError, match="DraftGate"):
+            speculative_generate(target, SuffixDrafter(corpus), draft_schedule=gate, **kwargs)
+        assert (gate.cost.clock, gate.judged) == clocks[-1]
+
+
 def test_no_repetition_drafts_nothing_and_stays_exact(targets) -> None:
     target = targets["full"]
     prompt = torch.tensor([[5, 1, 9, 2, 7]])
@@ -102,7 +126,7 @@ def test_proposals_follow_the_most_frequent_continuation() -> None:
     for _ in range(3):
         corpus.add([1, 2, 3, 4, 5])
     corpus.add([1, 2, 3, 9, 9])
-    drafter = SuffixDrafter(corpus, min_share=0.5)
+    drafter = SuffixDrafter(corpus, min_share=0.5, per_match=2)  # a match of 2 tokens: up to 4 drafted
     drafter.start([7, 1, 2], device=torch.device("cpu"))
     assert drafter.propose([7, 1, 2], 5, lambda logits: (0, None)).tokens == [3, 4, 5]
     assert drafter.propose([7, 1, 2], 1, lambda logits: (0, None)).tokens == [3]
@@ -112,7 +136,7 @@ def test_proposals_follow_the_most_frequent_continuation() -> None:
 
 
 def _naive_draft(fed: list[list[int]], sequence: list[int], k: int, depth: int, min_match: int,
-                 min_share: float) -> list[int]:
+                 min_share: float, per_match: float = 1e9) -> list[int]:
     """The drafting rule recomputed from the raw token lists: for each drafted token, scan every
     context length from the longest down, count what followed it in the fed sequences and in the
     sequence itself (its last occurrence, which nothing follows yet, excluded)."""
@@ -128,6 +152,8 @@ def _naive_draft(fed: list[list[int]], sequence: list[int], k: int, depth: int, 
             if counts:
                 token, count = max(counts.items(), key=lambda item: (item[1], -item[0]))
                 choice = token if count >= min_share * sum(counts.values()) else None
+                if not out:
+                    k = min(k, max(1, int(per_match * n)))
                 break
         if choice is None:
             break
@@ -147,12 +173,13 @@ def test_proposals_equal_a_naive_scan_of_the_fed_sequences() -> None:
         for seq in fed:
             corpus.add(seq)
         min_match, min_share = rng.choice([1, 2]), rng.choice([0.0, 0.3, 0.6])
-        drafter = SuffixDrafter(corpus, min_match=min_match, min_share=min_share)
+        per_match = rng.choice([0.5, 1.0, 1e9])
+        drafter = SuffixDrafter(corpus, min_match=min_match, min_share=min_share, per_match=per_match)
         sequence = [rng.randrange(alphabet) for _ in range(rng.randrange(1, 20))]
         drafter.start(sequence, device=torch.device("cpu"))
         k = rng.randrange(1, 12)
         got = drafter.propose(sequence, k, lambda logits: (0, None)).tokens
-        assert got == _naive_draft(fed, sequence, k, depth, min_match, min_share), trial
+        assert got == _naive_draft(fed, sequence, k, depth, min_match, min_share, per_match), trial
 
 
 def test_bad_parameters_are_package_errors() -> None:
@@ -163,3 +190,6 @@ def test_bad_parameters_are_package_errors() -> None:
         SuffixDrafter(min_share=1.5)
     with pytest.raises(GenerationError):
         SuffixDrafter(min_match=0)
+    for bad in (0, -1.0, True, "2"):
+        with pytest.raises(GenerationError, match="per_match"):
+            SuffixDrafter(per_match=bad)

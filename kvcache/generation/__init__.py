@@ -1,6 +1,7 @@
 """Text generation with kvcache caches: `generate`, its stop checks, sampling and streamers, and
 speculative decoding (`speculative_generate` with a draft model, prompt lookup or suffix drafting)."""
 
+from .draft_schedule import DraftGate
 from .drafters import Draft, Drafter, ModelDrafter, PromptLookupDrafter
 from .driver import GenerationOutput, generate
 from .sampling import Sampling
@@ -13,6 +14,7 @@ from .suffix import SuffixCorpus, SuffixDrafter
 __all__ = [
     "DeferredStopCheck",
     "Draft",
+    "DraftGate",
     "Drafter",
     "GenerationOutput",
     "ModelDrafter",

@@ -192,7 +192,7 @@ def speculative_generate(
     intermediate_states: bool | None = None,
     cache: Cache | None = None,
     draft_cache: Cache | None = None,
-    draft_schedule: str = "adaptive",
+    draft_schedule: str | DraftGate = "adaptive",
     prefix_store: Any = None,
     pad_token_id: int | None = None,
 ) -> SpeculativeOutput | BatchSpeculativeOutput:
@@ -226,6 +226,10 @@ def speculative_generate(
     and earned so far in the run, the acceptance kept current by one-token shadow proposals while
     not drafting; sampling uses "acceptance", which keeps seeded runs reproducible, and so do
     batches, row by row); "constant" (always `num_draft_tokens`). Greedy output does not depend on it.
+    A `DraftGate(num_draft_tokens)` is "adaptive" carried from call to call: what earlier runs
+    measured (forward costs, acceptance, the draft length reached) decides this run's first steps,
+    instead of a fresh start that probes from plain steps and one-token drafts; pass one per agent
+    session or server, as `SuffixDrafter`'s corpus is (single-row greedy runs).
     `prefix_store`: the target starts from the prompt's longest stored prefix, as in `generate`.
     """
     encoder_decoder = check_model(target)
@@ -234,9 +238,21 @@ def speculative_generate(
     batched = _is_batch(input_ids, attention_mask)
     check_int("num_draft_tokens", num_draft_tokens, minimum=1)
     check_int("max_new_tokens", max_new_tokens, minimum=1)
-    if draft_schedule not in SCHEDULES:
+    carried = draft_schedule if isinstance(draft_schedule, DraftGate) else None
+    if carried is not None:
+        if carried.maximum != num_draft_tokens or do_sample or batched:
+            raise GenerationError(
+                f"a DraftGate carried across calls serves single-row greedy runs of its own maximum: it drafts up to "
+                f"{carried.maximum} tokens, this call asks for {num_draft_tokens}"
+                f"{', samples' if do_sample else ''}{', is a batch' if batched else ''}",
+                param="draft_schedule",
+            )
+        draft_schedule = "adaptive"
+    elif draft_schedule not in SCHEDULES:
         names = ", ".join(map(repr, SCHEDULES))
-        raise GenerationError(f"draft_schedule must be one of {names}, got {draft_schedule!r}", param="draft_schedule")
+        raise GenerationError(
+            f"draft_schedule must be one of {names} or a DraftGate, got {draft_schedule!r}", param="draft_schedule"
+        )
     eos_token_id = model_default(target, "eos_token_id", eos_token_id)
     pad_token_id = model_default(target, "pad_token_id", pad_token_id)
     eos = frozenset(check_token_list("eos_token_id", eos_token_id, int(target.vocab_size)))
@@ -272,7 +288,7 @@ def speculative_generate(
             drafter.start(sequence, device=device)
     # timing decides when to draft, so a sampled run would consume its generator differently
     # from one run to the next: sampling keeps the reproducible schedule
-    gate = DraftGate(num_draft_tokens) if draft_schedule == "adaptive" and not do_sample else None
+    gate = carried or (DraftGate(num_draft_tokens) if draft_schedule == "adaptive" and not do_sample else None)
     # the gate measures a plain step before any draft, so the prefill may as well give the first token
     first = runner.prefill(sequence, whole=gate is not None)
     restore = use_intermediate(True)

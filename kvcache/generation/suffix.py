@@ -127,16 +127,28 @@ class SuffixDrafter(Drafter):
     """Proposes what most often followed the longest matching suffix of the sequence so far, in
     the shared `corpus` and in the sequence itself (see the module docstring). Each proposed token
     is the most frequent continuation of the longest context (at least `min_match` tokens) that
-    was seen; drafting stops where that continuation followed less than `min_share` of the times.
+    was seen; drafting stops where that continuation followed less than `min_share` of the times,
+    and after `per_match` tokens per token of the match the draft starts from (SuffixDecoding's
+    rule: a short match, common text, earns a short draft; a long one, a repeat, a long draft).
     `start` feeds the sequence a previous `start` began (its prompt and what was decoded since) to
     the corpus, so answers of earlier requests help later ones; `finish` does that explicitly."""
 
-    def __init__(self, corpus: SuffixCorpus | None = None, *, min_match: int = 2, min_share: float = 0.3) -> None:
+    def __init__(
+        self,
+        corpus: SuffixCorpus | None = None,
+        *,
+        min_match: int = 2,
+        min_share: float = 0.3,
+        per_match: float = 1.0,
+    ) -> None:
         self.corpus = corpus if corpus is not None else SuffixCorpus()
         self.min_match = _check_positive("min_match", min_match)
         if not 0.0 <= min_share <= 1.0:
             raise GenerationError(f"min_share must be in [0, 1], got {min_share!r}")
         self.min_share = min_share
+        if isinstance(per_match, bool) or not isinstance(per_match, (int, float)) or not per_match > 0:
+            raise GenerationError(f"per_match must be a positive number, got {per_match!r}")
+        self.per_match = float(per_match)
         self._own = ContinuationCounts(self.corpus.max_depth)
         self._tokens: list[int] = []
 
@@ -173,11 +185,14 @@ class SuffixDrafter(Drafter):
         context = self._tokens[-depth:]
         drafted: list[int] = []
         longest = len(context)  # the longest seen suffix is at most this long
-        while len(drafted) < num_tokens:
+        limit = num_tokens
+        while len(drafted) < limit:
             n, key = self._longest_seen(context, longest)
             choice = None if n == 0 else self._most_frequent(key)
             if choice is None:
                 break
+            if not drafted:
+                limit = min(num_tokens, max(1, int(self.per_match * n)))
             drafted.append(choice)
             context = [*context, choice][-depth:]
             longest = min(n + 1, len(context))  # context + choice was followed by something only if context was
