@@ -5,12 +5,15 @@
    and files one task touches, so calls recur (the table says how many answers repeat an earlier
    one); each request's prompt and answer feed the shared corpus, so later requests draft from
    earlier answers. Tokens per second over the whole sequence: plain
-   `generate`, prompt lookup and suffix drafting (k = 8, the default adaptive schedule), each
+   `generate`, prompt lookup and suffix drafting (k = 8, the adaptive schedule carried across the
+   requests as one `DraftGate`, as a session would), each
    checked token for token against plain decoding. Then the same with prompts of random
    characters (no repetition to find): what drafting costs when it cannot help.
 2. The drafter alone: time per proposal and the corpus's memory against the tokens it holds, 1k
    to 1M (quick: 100k), random sequences; each proposal continues a held sequence from a random
    point, so every corpus size drafts the same 8 tokens (the work compared is the same).
+3. (`--quick` and full runs) `kvcache serve --speculative suffix` against the same server without
+   speculation: the agent workload from 8 concurrent clients, tokens per second, same answers.
 
     python benchmarks/suffix.py [--quick]
 """
@@ -173,9 +176,65 @@ def drafter_table(mode: str) -> tuple[Table, list[Target], dict[str, Any]]:
     return table, [target], figures
 
 
+def serve_table(mode: str) -> tuple[Table, list[Target], dict[str, Any]]:
+    """`kvcache serve --speculative suffix` against the same server without speculation: the agent
+    workload from 8 concurrent clients, generated tokens per second, answers compared."""
+    import concurrent.futures
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    import httpx
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from serve_kit import ServeProcess  # the tests' server process: a free port, a bounded start
+
+    count, new, _ = SIZES[mode]
+    texts = agent_prompts(count)
+
+    def complete(url: str, prompt: str) -> tuple[str, int]:
+        body = {"prompt": prompt, "max_tokens": new, "temperature": 0}
+        answer = httpx.post(f"{url}/v1/completions", json=body, timeout=600).json()
+        return answer["choices"][0]["text"], answer["usage"]["completion_tokens"]
+
+    table = Table(f"kvcache serve, the agent workload from 8 concurrent clients ({count} requests of {new} tokens)",
+                  ["server", ":tokens/s", ":x no speculation", "same answers"])  # fmt: skip
+    results: dict[str, tuple[float, list[str]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        servers = {"no speculation": ServeProcess("--threads", "1"),
+                   "--speculative suffix": ServeProcess("--threads", "1", "--speculative", "suffix")}  # fmt: skip
+        for i, server in enumerate(servers.values()):
+            server.launch(Path(tmp) / f"{i}.log")
+        try:
+            for server in servers.values():
+                server.wait_started()
+            for name, server in servers.items():
+                complete(server.url, texts[0][:40])  # warm-up (not fed to the comparison)
+                start = time.perf_counter()
+                with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                    answers = list(pool.map(lambda t, url=server.url: complete(url, t), texts))
+                seconds = time.perf_counter() - start
+                results[name] = (sum(n for _, n in answers) / seconds, [text for text, _ in answers])
+        finally:
+            for server in servers.values():
+                server.terminate()
+    base_rate, base_answers = results["no speculation"]
+    for name, (rate, answers) in results.items():
+        table.add(name, f"{rate:,.0f}", f"{rate / base_rate:.2f}x", "yes" if answers == base_answers else "NO")
+    gain = results["--speculative suffix"][0] / base_rate
+    same = results["--speculative suffix"][1] == base_answers
+    targets = [Target("serve --speculative suffix, 8 clients, agent traffic", ">= 1.5x without speculation",
+                      f"{gain:.2f}x", gain >= 1.5, "requests in flight together cannot draft from each other's "
+                      "answers (a corpus is fed when a request finishes), and a batch verifies every row's draft "
+                      "in one forward"),
+               Target("serve --speculative suffix: answers", "= without speculation", "identical" if same else "DIFFER",
+                      same, "a bug: greedy speculation must not change an answer")]  # fmt: skip
+    return table, targets, {name: rate for name, (rate, _) in results.items()}
+
+
 def suffix_scenario(mode: str) -> Section:
-    return section_of("suffix", "15. Suffix drafting across requests: agent-like traffic", __doc__,
-                      (workload_table, drafter_table), mode)  # fmt: skip
+    builders = (workload_table, drafter_table) + ((serve_table,) if mode != "smoke" else ())  # servers: not in smoke
+    return section_of("suffix", "15. Suffix drafting across requests: agent-like traffic", __doc__, builders, mode)
 
 
 if __name__ == "__main__":

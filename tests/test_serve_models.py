@@ -59,7 +59,8 @@ def chat(c: openai.OpenAI, name: str, messages: list[dict], n: int):
     return c.chat.completions.create(model=name, messages=messages, max_tokens=n, temperature=0)
 
 
-@pytest.mark.parametrize("speculative", ["none", "prompt lookup", "draft model"])
+# without speculation with KVCACHE_SLOW=1: the speculative variants check the same answers and reused turns
+@pytest.mark.parametrize("speculative", [pytest.param("none", marks=pytest.mark.slow), "prompt lookup", "draft model"])
 def test_lfm2_is_served_its_turns_reused_with_and_without_speculation(tmp_path: Path, speculative: str) -> None:
     """Plain, prompt-lookup (`--speculative 4`) and draft-model (`--draft-model`, a Llama with the
     same tokenizer, each request drafting on a cache of its own) serving answer alike."""
