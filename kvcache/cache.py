@@ -141,6 +141,24 @@ class Cache:
         """Whether batch rows hold different numbers of tokens (after a per-row crop)."""
         return any(layer.is_ragged for layer in self.layers)
 
+    def forward_segments(self, length: int) -> list[int]:
+        """The pieces a forward of `length` new tokens is computed in (models call this): pieces that
+        never cross a quantized layer's block boundary, so that every query sees quantized exactly
+        the tokens a one-token step at its position would see, and a quantized cache's outputs do
+        not depend on how tokens were grouped into forwards (prompt blocks, verify forwards, store
+        hits, the batch a server puts a request in). One piece for caches without quantized layers
+        and for rows of different lengths (whose blocks their owner aligns)."""
+        layers = list(self.layers)
+        if not layers and self.layer_factory is not None:
+            layers = [self.layer_factory()]  # not built yet: as the first update will build them
+        blocks = [layer.forward_block for layer in layers]  # (no walrus: torch.compile traces this)
+        blocks = [block for block in blocks if block]
+        if not blocks or length <= 1 or self.is_ragged:
+            return [length]
+        block, past = min(blocks), self.get_seq_length()
+        ends = [*range((past // block + 1) * block, past + length, block), past + length]
+        return [end - start for start, end in zip([past, *ends], ends, strict=False)]
+
     def get_query_offset(self, layer_idx: int = 0) -> int:
         """Position of the next query token: the number of tokens seen."""
         return self.get_seq_length(layer_idx)
@@ -335,8 +353,9 @@ class Cache:
 
 class DynamicCache(Cache):
     """Growing layers: built lazily as `DynamicLayer`s, or from `layer_types` such as
-    `["full_attention", "sliding_attention", ...]` (with `sliding_window`). `kv_bits` (8 or 4):
-    attention keys/values quantized in groups of `group_size` (`QuantizedLayer`)."""
+    `["full_attention", "sliding_attention", ...]` (with `sliding_window`). `kv_bits` (8, 4 or 2):
+    attention keys/values quantized, values in groups of `group_size` along head_dim and keys per
+    channel (`QuantizedLayer`)."""
 
     def __init__(
         self,

@@ -1,13 +1,15 @@
 """Quantized layers (`QuantizedLayer`, `QuantizedSlidingWindowLayer`) against a naive model that
 keeps each row as a list of tokens: random runs of steps, uniform and per-row crops, commits,
 copies, save/load round trips and batch selection, at int8 and int4. After every operation the
-layer holds exactly what its tokens say: the first `Q(N)` tokens (N: the shortest row) as the
-quantization of each token alone, the rest in full precision, the window's for a sliding layer.
+layer holds exactly what its tokens say: the first `Q(N)` tokens (N: the shortest row) quantized
+(values and per-token keys: each token alone; per-channel keys: each block of `residual` tokens
+alone), the rest in full precision, the window's for a sliding layer.
 So a crop is bit for bit "as if those tokens had never been added", including crops that reach
 into tokens quantized while recording."""
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -16,7 +18,7 @@ from crop_kit import crop_at_random
 
 from kvcache import CacheInputError, RollbackError
 from kvcache.cache import Cache
-from kvcache.layers.quant import dequantize, quantize
+from kvcache.layers.quant import dequantize, dequantize_channels, quantize, quantize_channels
 from kvcache.layers.quantized import QuantizedLayer
 from kvcache.layers.quantized_sliding import QuantizedSlidingWindowLayer
 from kvcache.persistence import load_cache, save_cache
@@ -24,35 +26,53 @@ from kvcache.persistence import load_cache, save_cache
 HEADS, DIM, BATCH, RESIDUAL, WINDOW = 2, 32, 3, 4, 11
 
 
+@functools.cache
 def vector(token: int) -> torch.Tensor:
     """The key of token `token` `[HEADS, DIM]` (its value is the negation)."""
     return torch.randn(HEADS, DIM, generator=torch.Generator().manual_seed(token), dtype=torch.float64)
 
 
+@functools.cache
+def naive_quantized(tokens: tuple[int, ...], bits: int, group: int, sign: int, per_channel: bool) -> torch.Tensor:
+    """What the keys (sign 1) or values (-1) of `tokens` read back quantized, `[HEADS, len, DIM]`:
+    a block of keys per channel, else each token alone."""
+    x = torch.stack([sign * vector(t) for t in tokens], dim=1)
+    if per_channel:
+        return dequantize_channels(*quantize_channels(x, bits, len(tokens)), bits, len(tokens), x.dtype)
+    return dequantize(*quantize(x, bits, group), bits, group, x.dtype)
+
+
 class Naive:
-    def __init__(self, window: int | None, bits: int, group: int) -> None:
+    def __init__(self, window: int | None, bits: int, group: int, key_groups: str = "channel") -> None:
         self.rows: list[list[int]] = [[] for _ in range(BATCH)]
-        self.window, self.bits, self.group = window, bits, group
+        self.window, self.bits, self.group, self.key_groups = window, bits, group, key_groups
 
-    def quantized(self) -> int:
-        shortest = min(len(r) for r in self.rows)
-        return max(0, (shortest - RESIDUAL) // RESIDUAL) * RESIDUAL
+    def quantized(self, shortest: int | None = None) -> int:
+        shortest = min(len(r) for r in self.rows) if shortest is None else shortest
+        return shortest // RESIDUAL * RESIDUAL
 
-    def expected(self, b: int, p: int, sign: int = 1) -> torch.Tensor:
-        x = sign * vector(self.rows[b][p])
-        if p < self.quantized():
-            return dequantize(*quantize(x, self.bits, self.group), self.bits, self.group, x.dtype)
-        return x
+    def expected(self, b: int, p: int, sign: int = 1, quantized: int | None = None) -> torch.Tensor:
+        if p >= (self.quantized() if quantized is None else quantized):
+            return sign * vector(self.rows[b][p])
+        if sign == 1 and self.key_groups == "channel":  # the key's block, quantized per channel
+            first = p // RESIDUAL * RESIDUAL
+            block = tuple(self.rows[b][first : first + RESIDUAL])
+            return naive_quantized(block, self.bits, self.group, 1, True)[:, p - first]
+        return naive_quantized((self.rows[b][p],), self.bits, self.group, sign, False)[:, 0]
+
+    def block(self, b: int, first: int) -> torch.Tensor:
+        """The keys `[HEADS, RESIDUAL, DIM]` of row b's block starting at `first`."""
+        return torch.stack([vector(t) for t in self.rows[b][first : first + RESIDUAL]], dim=1)
 
     def first_visible(self) -> int:
         shortest = min(len(r) for r in self.rows)
         return max(shortest - (self.window - 1), 0) if self.window else 0
 
 
-def make(window: int | None, bits: int) -> QuantizedLayer:
+def make(window: int | None, bits: int, key_groups: str = "channel") -> QuantizedLayer:
     if window:
-        return QuantizedSlidingWindowLayer(window, bits=bits, group_size=32, residual=RESIDUAL)
-    return QuantizedLayer(bits=bits, group_size=32, residual=RESIDUAL)
+        return QuantizedSlidingWindowLayer(window, bits=bits, group_size=32, residual=RESIDUAL, key_groups=key_groups)
+    return QuantizedLayer(bits=bits, group_size=32, residual=RESIDUAL, key_groups=key_groups)
 
 
 def feed(layer: QuantizedLayer, naive: Naive, n: int, counter: list[int]) -> None:
@@ -60,13 +80,14 @@ def feed(layer: QuantizedLayer, naive: Naive, n: int, counter: list[int]) -> Non
     counter[0] += n
     keys = torch.stack([torch.stack([vector(t) for t in row], dim=1) for row in new])  # [B, H, n, D]
     start = layer.get_mask_sizes(n)[1]
+    seen = naive.quantized()  # quantized before the update; the update's own tokens are seen in full precision
     out_k, out_v = layer.update(keys, -keys)
     for b, row in enumerate(naive.rows):
         row.extend(new[b])
     for b, row in enumerate(naive.rows):
         for p in range(max(start, 0), len(row)):
-            assert torch.equal(out_k[b, :, p - start], naive.expected(b, p)), (b, p)
-            assert torch.equal(out_v[b, :, p - start], naive.expected(b, p, -1)), (b, p)
+            assert torch.equal(out_k[b, :, p - start], naive.expected(b, p, quantized=seen)), (b, p)
+            assert torch.equal(out_v[b, :, p - start], naive.expected(b, p, -1, seen)), (b, p)
 
 
 def check(layer: QuantizedLayer, naive: Naive) -> None:
@@ -79,13 +100,22 @@ def check(layer: QuantizedLayer, naive: Naive) -> None:
             assert torch.equal(keys[b, :, p - start], naive.expected(b, p)), (b, p)
             assert torch.equal(values[b, :, p - start], naive.expected(b, p, -1)), (b, p)
     held = layer.state
-    if "keys_q" in held:  # the quantized data: each token's own quantization, nothing else
+    if "keys_q" in held:  # the quantized data: each token's (each key block's) own quantization, nothing else
         q_start = layer._q_start
         for b in range(BATCH):
             for p in range(q_start, layer._quantized):
-                data, params = quantize(vector(naive.rows[b][p]), naive.bits, naive.group)
-                assert torch.equal(held["keys_q"][b, :, p - q_start], data)
-                assert torch.equal(held["params_k"][b, :, p - q_start], params)
+                if naive.key_groups == "channel":
+                    if p % RESIDUAL == 0:
+                        data, params = quantize_channels(naive.block(b, p), naive.bits, RESIDUAL)
+                        assert torch.equal(held["keys_q"][b, :, p - q_start : p - q_start + RESIDUAL], data)
+                        assert torch.equal(held["params_k"][b, :, p - q_start : p - q_start + RESIDUAL], params)
+                else:
+                    data, params = quantize(vector(naive.rows[b][p]), naive.bits, naive.group)
+                    assert torch.equal(held["keys_q"][b, :, p - q_start], data)
+                    assert torch.equal(held["params_k"][b, :, p - q_start], params)
+                data, params = quantize(-vector(naive.rows[b][p]), naive.bits, naive.group)
+                assert torch.equal(held["values_q"][b, :, p - q_start], data)
+                assert torch.equal(held["params_v"][b, :, p - q_start], params)
 
 
 def roundtrip(layer: QuantizedLayer, tmp_path, step: int) -> QuantizedLayer:
@@ -94,12 +124,13 @@ def roundtrip(layer: QuantizedLayer, tmp_path, step: int) -> QuantizedLayer:
     return load_cache(path).layers[0]
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("key_groups", ["channel", "token"])
+@pytest.mark.parametrize("bits", [8, 4, 2])
 @pytest.mark.parametrize("window", [None, WINDOW], ids=["full", "sliding"])
-@pytest.mark.parametrize("seed", range(4))
-def test_random_runs_match_the_naive_rows(bits, window, seed, tmp_path):
+@pytest.mark.parametrize("seed", range(2))
+def test_random_runs_match_the_naive_rows(bits, window, seed, key_groups, tmp_path):
     rng = random.Random(seed)
-    layer, naive, counter = make(window, bits), Naive(window, bits, 32), [1]
+    layer, naive, counter = make(window, bits, key_groups), Naive(window, bits, 32, key_groups), [1]
     feed(layer, naive, rng.randint(1, 6), counter)
     for step in range(60):
         op = rng.choice(["feed", "feed", "feed", "record", "uniform", "ragged", "commit", "copy", "select", "save"])
@@ -125,37 +156,46 @@ def test_random_runs_match_the_naive_rows(bits, window, seed, tmp_path):
             feed(layer, naive, 3, counter)
 
 
+@pytest.mark.parametrize("key_groups", ["channel", "token"])
 @pytest.mark.parametrize("window", [None, WINDOW], ids=["full", "sliding"])
-def test_a_crop_into_tokens_quantized_while_recording_is_exact(window):
-    """Recording from 6 tokens, 40 more one at a time (quantizing blocks on the way), then crop(-38):
-    the layer equals one fed the 8 kept tokens at once, quantized data and full-precision part."""
-    keys = torch.stack([vector(t) for t in range(46)], dim=1)[None]
-    layer = make(window, 8)
+def test_a_crop_into_tokens_quantized_while_recording_is_exact(window, key_groups):
+    """Recording from 6 tokens, 40 more one at a time (quantizing blocks on the way), then crop(-n)
+    for every n the layer allows: each lands on a different place of a key block and of a residual
+    block (first token, middle, last, a block just quantized), and the layer equals one fed the
+    kept tokens at once, quantized data and full-precision part, and answers the next update alike."""
+    keys = torch.stack([vector(t) for t in range(47)], dim=1)[None]
+    layer = make(window, 4, key_groups)
     layer.update(keys[:, :, :6], -keys[:, :, :6])
     layer.activate_past_recording()
     for t in range(6, 46):
         layer.update(keys[:, :, t : t + 1], -keys[:, :, t : t + 1])
-    assert layer._quantized == 40 and layer.max_rollback >= 38
-    layer.crop(-38)
-    layer.crop(0)  # commit: drop the full-precision copies recording kept
-    fresh = make(window, 8)
-    fresh.update(keys[:, :, :8], -keys[:, :, :8])
-    mine, theirs = layer.state, fresh.state
-    assert sorted(mine) == sorted(theirs) and all(torch.equal(mine[k], theirs[k]) for k in mine)
-    assert layer.update(keys[:, :, 8:9], -keys[:, :, 8:9])[0].equal(fresh.update(keys[:, :, 8:9], -keys[:, :, 8:9])[0])
+    assert layer._quantized == 44 and layer.max_rollback == 42  # 4 quantized before recording
+    for n in range(1, layer.max_rollback + 1):
+        cropped = layer.copy()
+        cropped.crop(-n)
+        cropped.crop(0)  # commit: drop the full-precision copies recording kept
+        fresh = make(window, 4, key_groups)
+        fresh.update(keys[:, :, : 46 - n], -keys[:, :, : 46 - n])
+        mine, theirs = cropped.state, fresh.state
+        bookkeeping = ("record_past", "seq_length_at_commit")  # recording stays on after the commit
+        assert {k: v for k, v in cropped.meta_state.items() if k not in bookkeeping} == {
+            k: v for k, v in fresh.meta_state.items() if k not in bookkeeping}, n
+        assert sorted(mine) == sorted(theirs) and all(torch.equal(mine[k], theirs[k]) for k in mine), n
+        nxt = keys[:, :, 46 - n : 47 - n]
+        assert all(torch.equal(a, b) for a, b in zip(cropped.update(nxt, -nxt), fresh.update(nxt, -nxt), strict=True))
 
 
 def test_what_cannot_be_rolled_back_is_refused_and_changes_nothing():
     keys = torch.stack([vector(t) for t in range(30)], dim=1)[None]
     layer = make(None, 4)
-    layer.update(keys, -keys)  # not recording: 24 quantized, their copies gone
-    assert layer._quantized == 24 and layer.max_rollback == 30 - 28
+    layer.update(keys, -keys)  # not recording: 28 quantized, their copies gone
+    assert layer._quantized == 28 and layer.max_rollback == 30 - 28
     before = {k: v.clone() for k, v in layer.state.items()}, layer.meta_state
     for bad in (-3, 5, 1.5, [-3], [0, 0]):
         with pytest.raises(RollbackError):
             layer.crop(bad)
     assert layer.meta_state == before[1] and all(torch.equal(layer.state[k], v) for k, v in before[0].items())
-    for bad in ({"bits": 3}, {"group_size": 48}, {"residual": 0}):
+    for bad in ({"bits": 3}, {"group_size": 48}, {"residual": 0}, {"key_groups": "head"}, {"key_groups": None}):
         with pytest.raises(CacheInputError):
             QuantizedLayer(**bad)
     with pytest.raises(CacheInputError):
@@ -163,13 +203,17 @@ def test_what_cannot_be_rolled_back_is_refused_and_changes_nothing():
 
 
 def test_bytes_held_per_token():
-    """int8 in groups of 64 holds 1.0625 bytes per value, int4 0.5625 (float16 scales and zero
-    points included), plus the full-precision residual."""
-    for bits, per_value in ((8, 1.0625), (4, 0.5625)):
-        layer = QuantizedLayer(bits=bits, group_size=64, residual=32)
-        keys = torch.randn(1, 2, 4096 + 40, 64, dtype=torch.float16)
-        layer.update(keys, keys)
-        layer.crop(0)
-        held = layer.state
-        quantized = sum(held[k].nbytes for k in ("keys_q", "values_q", "params_k", "params_v"))
-        assert quantized == 2 * 4096 * 2 * 64 * per_value
+    """Values in groups of 64 hold `bits / 8 + 4 / 64` bytes per value (float16 scales and zero
+    points included): 1.0625 at int8, 0.5625 at int4, 0.3125 at int2; keys per token the same, keys
+    per channel in blocks of 16 tokens `bits / 8 + 4 / 16`; plus the full-precision residual."""
+    for key_groups in ("channel", "token"):
+        for bits in (8, 4, 2):
+            value = bits / 8 + 4 / 64
+            key = bits / 8 + (4 / 16 if key_groups == "channel" else 4 / 64)
+            layer = QuantizedLayer(bits=bits, group_size=64, key_groups=key_groups)
+            keys = torch.randn(1, 2, 4096 + 12, 64, dtype=torch.float16)
+            layer.update(keys, keys)
+            held = layer.state
+            assert sum(held[k].nbytes for k in ("keys_q", "params_k")) == 4096 * 2 * 64 * key
+            assert sum(held[k].nbytes for k in ("values_q", "params_v")) == 4096 * 2 * 64 * value
+            assert held["keys"].shape[2] == 12  # the block being filled

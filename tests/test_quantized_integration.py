@@ -15,6 +15,7 @@ from test_speculative import VOCAB, make_target
 from test_speculative_batch import padded_batch
 
 from kvcache import CacheInputError, DynamicCache, load_cache, save_cache
+from kvcache.cache import Cache
 from kvcache.generation import PromptLookupDrafter, generate, speculative_generate
 from kvcache.layers import QuantizedLayer, QuantizedSlidingWindowLayer
 from kvcache.models import load_default_model
@@ -106,6 +107,40 @@ def test_transformers_models_take_quantized_caches() -> None:
             torch.testing.assert_close(ours(token), theirs(token), atol=0.05, rtol=0)
         wrapped = wrap_model(model, kv_bits=4)
         assert all(type(layer) in kinds for layer in wrapped.new_cache())
+
+
+def _one_forward_against_steps(model, cache_of, ids: torch.Tensor, monkeypatch=None) -> float:
+    """The largest logit difference between `ids` fed in one forward and one token at a time."""
+    whole = model(ids, cache=cache_of())
+    cache = cache_of()
+    steps = torch.cat([model(ids[:, i : i + 1], cache=cache) for i in range(ids.shape[1])], dim=1)
+    return (whole - steps).abs().max().item()
+
+
+@pytest.mark.parametrize("kind", ["decoder", "transformers"])
+def test_a_forward_sees_what_single_steps_see_quantized(kind: str, monkeypatch) -> None:
+    """A forward into a quantized cache is computed in pieces that never cross a block boundary
+    (`Cache.forward_segments`), so its logits are a recomputation of one-token steps (float64: the
+    same values up to the reduction order of batched matmuls), however the prompt is grouped. Without
+    the pieces, the queries after a boundary would see the block before it in full precision where
+    a step sees it quantized: a difference of the size of the quantization error."""
+    if kind == "decoder":
+        model = load_default_model(dtype=torch.float64)[0]
+        model.kv_bits = 4
+        cache_of, vocab = model.new_cache, model.vocab_size
+    else:
+        pytest.importorskip("transformers", minversion="5.24")
+        from test_transformers_models import tiny_model
+
+        from kvcache.integrations.transformers import cache_from_config, wrap_model
+
+        model = wrap_model(tiny_model("llama").double())
+        cache_of, vocab = (lambda: cache_from_config(model.config, kv_bits=4)), 128
+    ids = torch.randint(3, vocab, (1, 50), generator=torch.Generator().manual_seed(2))
+    assert cache_of().forward_segments(50) == [16, 16, 16, 2]
+    assert _one_forward_against_steps(model, cache_of, ids) < 1e-9
+    monkeypatch.setattr(Cache, "forward_segments", lambda self, length: [length])
+    assert _one_forward_against_steps(model, cache_of, ids) > 1e-4
 
 
 def test_the_command_line_quantizes_with_kv_bits(tmp_path: Path) -> None:

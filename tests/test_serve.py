@@ -248,6 +248,32 @@ def test_prompt_lookup_speculation_gives_each_row_its_run_alone(tmp_path: Path, 
         assert process.terminate() == 0
 
 
+@pytest.mark.parametrize("speculative", [(), ("--speculative", "4")], ids=["plain", "speculative"])
+def test_quantized_serving_gives_each_row_its_run_alone_with_the_same_quantized_cache(tmp_path: Path,
+                                                                                      speculative) -> None:  # fmt: skip
+    """`--kv-bits 4`: 8 concurrent greedy answers (with and without speculation) equal their runs
+    alone through a quantized cache of the same kind, as `kvcache generate --kv-bits 4` runs."""
+    model, tokenizer = load_default_model(dtype=torch.float64)
+    model.kv_bits = 4
+    process = ServeProcess("--dtype", "float64", "--threads", "1", "--kv-bits", "4", *speculative)
+    process.start(tmp_path / "stderr.log")
+    try:
+        c = client(process)
+        prompts = [p * (1 + i % 4) for i, p in enumerate(PROMPTS[:8])]  # 5 to 30 tokens: every padding
+
+        def ask(prompt: str) -> str:
+            return c.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0).choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(ask, prompts))
+        for prompt, text in zip(prompts, got, strict=True):
+            ids = torch.tensor([tokenizer.encode(prompt)])
+            alone = generate(model, ids, max_new_tokens=40).sequences[0, ids.shape[1] :]
+            assert text == tokenizer.decode(alone.tolist())
+    finally:
+        assert process.terminate() == 0
+
+
 def test_a_transformers_model_directory_is_served(tmp_path: Path) -> None:
     """`--model DIR`: completions equal `generate(wrap_model(model))` of the prompt alone (encoded as
     the tokenizer does by default: with its BOS), also four at once; chat uses the tokenizer's own

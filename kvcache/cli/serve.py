@@ -38,6 +38,9 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--speculative", type=_speculative, nargs="?", const=4, default=0, metavar="K|suffix",
                         help=f"K: the same as --prompt-lookup K (K=4 when left out); suffix: the same as "
                         f"--suffix-draft {DEFAULT_SUFFIX_TOKENS}")
+    parser.add_argument("--kv-bits", type=int, choices=(8, 4, 2), default=None,
+                        help="quantize the attention cache to 8, 4 or 2 bits (as generate --kv-bits; each request "
+                        "quantized as when it runs alone); default: full precision")
     parser.add_argument("--max-batch", type=int, default=32, help="requests decoded together at most (default 32)")
     parser.add_argument("--max-step-tokens", type=int, default=512,
                         help="tokens one engine step computes at most: every running row's decode token plus "
@@ -191,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or default_threads())
     key = api_key(args)
     served = load_model(args, device)
+    served.model.kv_bits = args.kv_bits  # new_cache() builds quantized attention layers (the store's too)
     draft_model = load_drafter(args, served)[0] if args.draft_model else None
     corpus = SuffixCorpus() if args.suffix_draft else None  # one per server: one model, one API key
     namespace = served.identity

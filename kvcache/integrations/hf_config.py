@@ -74,8 +74,8 @@ def cache_from_config(
     last `rollback_tokens` tokens). Cross-attention layers stay `DynamicLayer`s: they are written once,
     at the encoder's length, and never change shape after that.
 
-    `kv_bits` (8 or 4): attention keys/values quantized in groups of `group_size` along head_dim
-    (`QuantizedLayer`, `QuantizedSlidingWindowLayer`; not with `static=True`).
+    `kv_bits` (8, 4 or 2): attention keys/values quantized, values in groups of `group_size` along
+    head_dim and keys per channel (`QuantizedLayer`, `QuantizedSlidingWindowLayer`; not with `static=True`).
     """
     if not isinstance(config, PretrainedConfig):
         raise CacheInputError(f"cache_from_config takes a transformers config, got {type(config).__name__}")

@@ -11,6 +11,7 @@ from transformers import PreTrainedModel
 from ..cache import Cache
 from ..errors import CacheInputError
 from ..layers.recurrent import RecurrentLayer
+from ..models.modules import in_pieces
 from .hf_cache import as_transformers_cache
 from .hf_config import cache_from_config
 from .hf_recurrence import MIXER_CLASSES, PerTokenRecurrence
@@ -101,6 +102,11 @@ class TransformersCausalLM(_GenerationDefaults):
         position_ids: torch.Tensor | None = None,
         **model_kwargs: Any,
     ) -> torch.Tensor:
+        pieces = cache.forward_segments(input_ids.shape[1]) if isinstance(cache, Cache) else []
+        past = cache.get_seq_length() if len(pieces) > 1 else 0  # type: ignore[union-attr]
+        if len(pieces) > 1 and (attention_mask is None or attention_mask.shape[1] == past + input_ids.shape[1]):
+            return in_pieces(self.__call__, pieces, input_ids, cache, attention_mask, position_ids, past,
+                             **model_kwargs)
         if attention_mask is not None and self._mask_per_new_token:
             attention_mask = attention_mask[:, -input_ids.shape[1] :]
         elif cache is not None and cache.is_ragged:
@@ -214,7 +220,7 @@ def wrap_model(model: PreTrainedModel, *, kv_bits: int | None = None,
     """Adapt a transformers causal LM or encoder-decoder model to kvcache's generation protocol.
 
     The result's `new_cache()` is `cache_from_config(model.config)` (its attention quantized to
-    `kv_bits`, 8 or 4, in groups of `group_size`, for a causal LM); calling it runs the unmodified
+    `kv_bits`, 8, 4 or 2, in groups of `group_size`, for a causal LM); calling it runs the unmodified
     model with a kvcache cache, so `kvcache.generation.generate` and speculative decoding drive it.
     """
     if not isinstance(model, PreTrainedModel):

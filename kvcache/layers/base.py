@@ -42,6 +42,9 @@ class CacheLayer(ABC):
     holds_tokens: ClassVar[bool] = True
     #: `crop` takes different counts per batch row (`_remove_rows`, `row_rollback`).
     crops_rows: ClassVar[bool] = False
+    #: Forwards must not cross multiples of this many tokens (quantized layers' blocks: see
+    #: `Cache.forward_segments`); None: any forward.
+    forward_block: int | None = None
 
     def __init__(self) -> None:
         self._recording = False

@@ -115,6 +115,10 @@ class HybridLayer(CacheLayer):
     def is_croppable(self) -> bool:
         return self.attention.is_croppable and self.recurrent.is_croppable
 
+    @property
+    def forward_block(self) -> int | None:  # type: ignore[override]
+        return self.attention.forward_block
+
     def check_crop(self, tokens_to_remove: Any) -> None:
         self.attention.check_crop(tokens_to_remove)
         self.recurrent.check_crop(tokens_to_remove)

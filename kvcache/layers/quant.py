@@ -1,36 +1,52 @@
-"""Group-wise integer quantization of keys and values, token by token.
+"""Asymmetric integer quantization of keys and values: per token, or per channel in token blocks.
 
-Each token's vector of `head_dim` values (per batch row and head) is cut into groups of
-`group_size`; a group is stored as unsigned integers of `bits` bits with its own scale and zero
-point (asymmetric: `x ~ q * scale + zero`, `q = round((x - min) / scale)`, `scale = (max - min) /
-(2**bits - 1)`). int4 packs two values per byte: a group's first half in the low nibbles, its
-second half in the high ones (so unpacking writes two contiguous halves). Scales and zero points
-are float16 (bfloat16 for bfloat16 inputs, whose range float16 lacks), so the bytes per value are
-`bits / 8 + 4 / group_size`:
-1.0625 at int8 and 0.5625 at int4 with groups of 64, against 2 for float16.
+Values are always quantized token by token: each token's vector of `head_dim` values (per batch
+row and head) is cut into groups of `group_size`, each stored as unsigned integers of `bits` bits
+with its own scale and zero point (`x ~ q * scale + zero`, `q = round((x - min) / scale)`,
+`scale = (max - min) / (2**bits - 1)`). Keys are either quantized the same way (`"token"`) or, as
+KIVI (Liu et al., 2024) does, per channel (`"channel"`): a block of `block` consecutive tokens
+shares one scale and zero point per channel, so the few channels whose keys are persistently
+large get a scale of their own instead of stretching everyone else's.
 
-Quantizing a token never looks at another token, so a token's quantized form is the same whichever
-block it is quantized in, and whether it was quantized during a prefill or while decoding: what
-exact rollback and the prefix store rely on.
+Values narrower than a byte are packed along the last dimension: a group's (or, per channel, a
+token's) values are cut into `8 // bits` contiguous parts, part i in bits `[i * bits, (i + 1) *
+bits)` of each byte, so unpacking writes whole contiguous parts. Scales and zero points are
+float16 (bfloat16 for bfloat16 inputs, whose range float16 lacks). A block's per-channel
+parameters (`2 * head_dim` numbers) are spread over the block's tokens, `channel_param_width`
+per token (zero-padded), so every quantized tensor is indexed by token and cut, saved and
+batch-selected like the keys themselves.
+
+Quantizing a token (per token) never looks at another token, and a block (per channel) never
+looks outside the block: what a token becomes depends on the tokens of its block alone, whichever
+forward brought them, which is what exact rollback and the prefix store rely on.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..errors import CacheInputError
 
-BITS = (8, 4)
+BITS = (8, 4, 2)
 GROUP_SIZES = (32, 64, 128)
+KEY_GROUPS = ("channel", "token")
 
 
 def check_quant(bits: object, group_size: object) -> tuple[int, int]:
-    """`bits` in (8, 4) and `group_size` in (32, 64, 128)."""
+    """`bits` in (8, 4, 2) and `group_size` in (32, 64, 128)."""
     if bits not in BITS or isinstance(bits, bool):
-        raise CacheInputError(f"kv_bits must be 8 or 4, got {bits!r}")
+        raise CacheInputError(f"kv_bits must be 8, 4 or 2, got {bits!r}")
     if group_size not in GROUP_SIZES or isinstance(group_size, bool):
         raise CacheInputError(f"group_size must be one of {GROUP_SIZES}, got {group_size!r}")
     return int(bits), int(group_size)  # type: ignore[call-overload]
+
+
+def check_key_groups(key_groups: object) -> str:
+    """`"channel"` (per-channel scales in blocks of tokens) or `"token"` (as values)."""
+    if key_groups not in KEY_GROUPS or not isinstance(key_groups, str):
+        raise CacheInputError(f"key_groups must be 'channel' or 'token', got {key_groups!r}")
+    return key_groups
 
 
 def groups_of(head_dim: int, group_size: int) -> int:
@@ -45,25 +61,64 @@ def param_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
 
 
-def quantize(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`x` `[..., D]` as `(data, params)`: data uint8 `[..., D]` (int8) or `[..., D // 2]` (int4,
-    two per byte), params `[..., 2 * D // group]` (scales, then zero points)."""
-    *lead, dim = x.shape
-    pdtype = param_dtype(x.dtype)
-    g = x.reshape(*lead, dim // group, group).float()
-    low, high = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+def data_width(dim: int, bits: int) -> int:
+    """Bytes per token and head for `dim` values of `bits` bits."""
+    return dim * bits // 8
+
+
+def channel_param_width(dim: int, block: int) -> int:
+    """Per-channel parameters per token: a block's `2 * dim` spread over its `block` tokens."""
+    return -(-2 * dim // block)
+
+
+def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes `[..., n]` (below `2**bits`) packed `8 // bits` per byte: `[..., n * bits // 8]`."""
+    per = 8 // bits
+    if per == 1:
+        return q
+    parts = q.unflatten(-1, (per, -1))
+    out = parts[..., 0, :].clone()
+    for i in range(1, per):
+        out |= parts[..., i, :] << (bits * i)
+    return out
+
+
+def _unpack_scaled(packed: torch.Tensor, bits: int, scale: torch.Tensor, out: torch.Tensor) -> None:
+    """`out[..., n] = codes * scale` for the codes `_pack` packed into `packed` `[..., n * bits // 8]`
+    (`scale` broadcasts against `out`, or is `[..., n]`-wide per part when it varies along it)."""
+    per = 8 // bits
+    if per == 1:
+        torch.mul(packed, scale, out=out)
+        return
+    width, mask = packed.shape[-1], (1 << bits) - 1
+    per_value = scale.shape[-1] != 1
+    for i in range(per):
+        codes = packed >> (bits * i) if i else packed
+        codes = codes & mask if i < per - 1 else codes  # the top part needs no mask
+        part_scale = scale[..., i * width : (i + 1) * width] if per_value else scale
+        torch.mul(codes, part_scale, out=out[..., i * width : (i + 1) * width])
+
+
+def _codes(g: torch.Tensor, low: torch.Tensor, high: torch.Tensor, bits: int,
+           pdtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Codes of `g` between `low` and `high` (broadcast), with the scale and zero point stored."""
     levels = (1 << bits) - 1
     scale = ((high - low) / levels).to(pdtype)
     zero = low.to(pdtype)
     step = scale.float()
     safe = torch.where(step > 0, step, torch.ones_like(step))
     q = ((g - zero.float()) / safe).round_().clamp_(0, levels).to(torch.uint8)
-    if bits == 4:  # a group's first half in the low nibbles, its second half in the high ones
-        half = group // 2
-        q = q[..., :half] | (q[..., half:] << 4)
-    q = q.reshape(*lead, -1)
-    params = torch.cat([scale.squeeze(-1), zero.squeeze(-1)], dim=-1)
-    return q, params
+    return q, scale, zero
+
+
+def quantize(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x` `[..., D]` token by token as `(data, params)`: data uint8 `[..., D * bits // 8]`, params
+    `[..., 2 * D // group]` (scales, then zero points)."""
+    *lead, dim = x.shape
+    g = x.detach().reshape(*lead, dim // group, group).float()  # not differentiable: codes are integers
+    q, scale, zero = _codes(g, g.amin(-1, keepdim=True), g.amax(-1, keepdim=True), bits, param_dtype(x.dtype))
+    data = _pack(q, bits).reshape(*lead, -1)
+    return data, torch.cat([scale.squeeze(-1), zero.squeeze(-1)], dim=-1)
 
 
 def dequantize(data: torch.Tensor, params: torch.Tensor, bits: int, group: int, dtype: torch.dtype,
@@ -71,18 +126,42 @@ def dequantize(data: torch.Tensor, params: torch.Tensor, bits: int, group: int, 
     """The values `quantize` stored, in `dtype`, written straight into `out` when given (a view
     whose last dimension is contiguous), one pass over the output."""
     *lead, width = data.shape
-    dim = width * (2 if bits == 4 else 1)
+    dim = width * 8 // bits
     n = dim // group
     if out is None:
         out = torch.empty(*lead, dim, dtype=dtype, device=data.device)
     scale, zero = params[..., :n, None].to(dtype), params[..., n:, None].to(dtype)
     grouped = out.view(*lead, n, group)
-    if bits == 8:
-        torch.mul(data.view(*lead, n, group), scale, out=grouped)
-    else:
-        half = group // 2
-        packed = data.view(*lead, n, half)
-        torch.mul(packed & 0x0F, scale, out=grouped[..., :half])
-        torch.mul(packed >> 4, scale, out=grouped[..., half:])
+    _unpack_scaled(data.view(*lead, n, group * bits // 8), bits, scale, grouped)
+    grouped.add_(zero)
+    return out
+
+
+def quantize_channels(x: torch.Tensor, bits: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x` `[..., T, D]` (T a multiple of `block`) per channel in blocks of `block` tokens, as
+    `(data, params)`: data uint8 `[..., T, D * bits // 8]`, params `[..., T, channel_param_width]`
+    (each block's D scales then D zero points, spread over its tokens)."""
+    *lead, tokens, dim = x.shape
+    blocks = tokens // block
+    g = x.detach().reshape(*lead, blocks, block, dim).float()
+    q, scale, zero = _codes(g, g.amin(-2, keepdim=True), g.amax(-2, keepdim=True), bits, param_dtype(x.dtype))
+    data = _pack(q, bits).reshape(*lead, tokens, -1)
+    width = channel_param_width(dim, block)
+    params = torch.cat([scale, zero], dim=-1).reshape(*lead, blocks, 2 * dim)
+    params = F.pad(params, (0, block * width - 2 * dim)).reshape(*lead, tokens, width)
+    return data, params
+
+
+def dequantize_channels(data: torch.Tensor, params: torch.Tensor, bits: int, block: int, dtype: torch.dtype,
+                        out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """The keys `quantize_channels` stored (whole blocks), in `dtype`, into `out` when given."""
+    *lead, tokens, width = data.shape
+    dim, blocks = width * 8 // bits, tokens // block
+    if out is None:
+        out = torch.empty(*lead, tokens, dim, dtype=dtype, device=data.device)
+    flat = params.reshape(*lead, blocks, -1)
+    scale, zero = flat[..., None, :dim].to(dtype), flat[..., None, dim : 2 * dim].to(dtype)
+    grouped = out.view(*lead, blocks, block, dim)
+    _unpack_scaled(data.view(*lead, blocks, block, width), bits, scale, grouped)
     grouped.add_(zero)
     return out

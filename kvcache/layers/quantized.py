@@ -1,23 +1,27 @@
-"""Quantized full-attention keys/values with exact rollback (int8 or int4, group-wise along head_dim).
+"""Quantized full-attention keys/values with exact rollback (int8, int4 or int2; keys per channel
+in blocks of tokens, as KIVI quantizes them, or per token as values are: see `quant`).
 
-Tokens are quantized in blocks of `residual` tokens at fixed absolute positions, and only once at
-least `residual` newer tokens exist: with `N` tokens held by the shortest row, the first
-`Q(N) = max(0, (N - residual) // residual) * residual` are quantized and the rest, `residual` to
-`2 * residual - 1` of the most recent, stay in full precision (KIVI's residual). Since a token's
-quantized form does not depend on anything but the token (`quant`), the layer's content is a
-function of the tokens it holds alone: how they arrived (one per step, a chunk at once, across a
-crop) does not matter, and `crop(-n)` is exactly "as if never added": the quantized part is cut to
-`Q(N - n)` and the tokens it gives back come from their full-precision copies.
+Tokens are quantized in blocks of `residual` tokens at fixed absolute positions, each block once
+it is whole: with `N` tokens held by the shortest row, the first `Q(N) = N // residual * residual`
+are quantized and the rest, the block being filled (0 to `residual - 1` tokens), stay in full
+precision (KIVI's residual). A token's quantized form depends on its block alone (`quant`), so the
+layer's content is a function of the tokens it holds: how they arrived (one per step, a chunk at
+once, across a crop) does not matter, and `crop(-n)` is exactly "as if never added": the
+quantized part is cut to `Q(N - n)` and the tokens it gives back come from their full-precision
+copies. And since a store boundary at a multiple of `residual` holds no full-precision token, a
+prefix store entry is quantized data alone.
 
 Those copies are what rollback needs: while recording, the full-precision copies of tokens
-quantized since the commit point are kept (`residual + residual - 1 + r` full-precision tokens at
-most for `r` recorded ones, as a sliding window keeps `W - 1 + r`); while not recording only the
-residual is. A crop may reach back as long as every token it returns to full precision has its
-copy. Rows of a batch share the quantized part (set by the shortest row) and hold their own
-full-precision tails, so per-row crops move only each row's end.
+quantized since the commit point are kept (`residual - 1 + r` full-precision tokens at most for `r`
+recorded ones, as a sliding window keeps `W - 1 + r`); while not recording only the residual is. A
+crop may reach back as long as every token it returns to full precision has its copy. Rows of a
+batch share the quantized part (set by the shortest row) and hold their own full-precision tails,
+so per-row crops move only each row's end.
 
-Attention gets full-precision keys/values: the quantized part dequantized for each update (the
-price of the memory saved), then the residual.
+Attention gets full-precision keys/values: what was quantized before the update dequantized, then
+everything after it, the update's own tokens included, in full precision (as KIVI attends a
+prefill in full precision), so a verify forward of several tokens sees its first token's past as
+a single decode step would.
 """
 
 from __future__ import annotations
@@ -32,9 +36,21 @@ from ..validation import check_move, check_query_length, check_row_lengths
 from .base import CacheLayer, register_layer
 from .dynamic import nonneg_int, record_past_flag
 from .kv_buffer import KVBuffer
-from .quant import check_quant, dequantize, groups_of, quantize
+from .quant import (
+    channel_param_width,
+    check_key_groups,
+    check_quant,
+    data_width,
+    dequantize,
+    dequantize_channels,
+    groups_of,
+    quantize,
+    quantize_channels,
+)
 
-DEFAULT_RESIDUAL = 32
+#: Tokens per block (keys per channel share scales within one): 16 measured better than 32 on the bundled
+#: model at int4 and int2 (benchmarks/quantized.py), and makes the prefix store's 16-token chunks whole blocks.
+DEFAULT_RESIDUAL = 16
 
 
 def _check_residual(residual: Any) -> int:
@@ -45,15 +61,21 @@ def _check_residual(residual: Any) -> int:
 
 @register_layer
 class QuantizedLayer(CacheLayer):
-    """Every key/value seen, quantized to `bits` (8 or 4) in groups of `group_size` along
-    head_dim, except the most recent `residual` to `2 * residual - 1` tokens (module docstring)."""
+    """Every key/value seen, quantized to `bits` (8, 4 or 2) by blocks of `residual` tokens, except
+    the block being filled (module docstring). Values are quantized per token in groups of
+    `group_size` along head_dim; keys per channel, one scale per channel and block
+    (`key_groups="channel"`, KIVI's scheme, the default: better than per token on the bundled
+    model at every width in `benchmarks/quantized.py`, and no worse on random ones) or as values
+    are (`"token"`)."""
 
     crops_rows = True
 
-    def __init__(self, bits: int = 8, group_size: int = 64, residual: int = DEFAULT_RESIDUAL) -> None:
+    def __init__(self, bits: int = 8, group_size: int = 64, residual: int = DEFAULT_RESIDUAL,
+                 key_groups: str = "channel") -> None:  # fmt: skip
         super().__init__()
         self.bits, self.group_size = check_quant(bits, group_size)
         self.residual = _check_residual(residual)
+        self.key_groups = check_key_groups(key_groups)
         self._reset()
 
     def _reset(self) -> None:
@@ -79,7 +101,7 @@ class QuantizedLayer(CacheLayer):
 
     def _target(self, shortest: int) -> int:
         """Tokens quantized when the shortest row holds `shortest`."""
-        return max(0, (shortest - self.residual) // self.residual) * self.residual
+        return shortest // self.residual * self.residual
 
     def get_seq_length(self) -> int:
         return self._longest()
@@ -107,9 +129,10 @@ class QuantizedLayer(CacheLayer):
             self._group = groups_of(key_states.shape[3], self.group_size)
             groups_of(value_states.shape[3], self.group_size)
         visible = self._first_visible()
+        seen = self._quantized  # the update's tokens and the residual before them are seen in full precision
         self._fp.append(key_states, value_states)
         self._quantize()
-        returned = self._assemble(visible)
+        returned = self._assemble(visible, seen)
         self._evict()  # after: the queries of this update see the window before them
         return returned
 
@@ -132,11 +155,51 @@ class QuantizedLayer(CacheLayer):
         if target > begin:
             lo, hi = begin - self._fp_start, target - self._fp_start
             keys, values = (t.narrow(2, lo, hi - lo) for t in self._fp.tail(len(self._fp)))
-            qk, pk = quantize(keys, self.bits, self._group)
+            qk, pk = self._quantize_keys(keys)
             qv, pv = quantize(values, self.bits, self._group)
             self._q.append(qk, qv)
             self._p.append(pk, pv)
         self._quantized = target
+
+    @property
+    def forward_block(self) -> int:  # type: ignore[override]
+        """A forward's queries see the same tokens quantized only within one block."""
+        return self.residual
+
+    @property
+    def _per_channel(self) -> bool:
+        return self.key_groups == "channel"
+
+    def _quantize_keys(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys of whole blocks (per channel) or of any tokens (per token), quantized."""
+        if self._per_channel:
+            return quantize_channels(keys, self.bits, self.residual)
+        return quantize(keys, self.bits, self._group)
+
+    def _block_floor(self, position: int) -> int:
+        """The start of `position`'s key block: tokens are dropped and kept by whole blocks when
+        keys are quantized per channel (a block is quantized from all its tokens)."""
+        return position // self.residual * self.residual if self._per_channel else position
+
+    def _dequantize(self, i: int, start: int, stop: int, out: torch.Tensor) -> None:
+        """Quantized keys (`i` 0) or values (1) of positions `[start, stop)` into `out`."""
+        bits, dtype, block = self.bits, out.dtype, self.residual
+
+        def held(first: int) -> tuple[torch.Tensor, torch.Tensor]:
+            n = self._quantized - first
+            return self._q.tail(n)[i].narrow(2, 0, stop - first), self._p.tail(n)[i].narrow(2, 0, stop - first)
+
+        if i == 1 or not self._per_channel:
+            dequantize(*held(start), bits, self._group, dtype, out=out)
+            return
+        first = self._block_floor(start)  # a window may start inside a block: it is dequantized whole
+        data, params = held(first)
+        if first < start:
+            head = dequantize_channels(data[:, :, :block], params[:, :, :block], bits, block, dtype)
+            out[:, :, : first + block - start].copy_(head[:, :, start - first :])
+            data, params, out = data[:, :, block:], params[:, :, block:], out[:, :, first + block - start :]
+        if data.shape[2]:
+            dequantize_channels(data, params, bits, block, dtype, out=out)
 
     @property
     def _held_quantized(self) -> int:
@@ -161,20 +224,19 @@ class QuantizedLayer(CacheLayer):
                 self._p.keep_last(keep)
             self._q_start = q_from
 
-    def _assemble(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _assemble(self, start: int, quantized: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values of absolute positions `[start, longest)` in full precision: the quantized
-        part dequantized, then the full-precision part."""
+        part (up to `quantized`, all of it by default) dequantized, then the full-precision part."""
         fp_keys, fp_values = self._fp.tail(len(self._fp))
         batch, heads, _, _ = fp_keys.shape
         longest = self._longest()
-        split = max(self._quantized, start)
+        quantized = self._quantized if quantized is None else quantized
+        split = max(quantized, start)
         out = []
         for i, fp in enumerate((fp_keys, fp_values)):
             whole = fp.new_empty(batch, heads, longest - start, fp.shape[3])
             if split > start:
-                data = self._q.tail(self._quantized - start)[i]
-                params = self._p.tail(self._quantized - start)[i]
-                dequantize(data, params, self.bits, self._group, fp.dtype, out=whole.narrow(2, 0, split - start))
+                self._dequantize(i, start, split, whole.narrow(2, 0, split - start))
             whole.narrow(2, split - start, longest - split).copy_(fp.narrow(2, split - self._fp_start, longest - split))
             out.append(whole)
         return out[0], out[1]
@@ -182,8 +244,8 @@ class QuantizedLayer(CacheLayer):
     # ------------------------------------------------------------------------ rollback
     def row_rollback(self) -> list[int]:
         """A row may go back as long as every token returned to full precision has its copy:
-        the shortest row must keep `fp_start + residual` tokens (or anything while nothing before
-        the full-precision part is quantized)."""
+        the shortest row must keep `fp_start` rounded up to a block (or anything while nothing
+        before the full-precision part is quantized)."""
         keep = self._min_kept()
         return [max(n - keep, 0) for n in self.row_lengths()]
 
@@ -191,7 +253,7 @@ class QuantizedLayer(CacheLayer):
         """The fewest tokens the shortest row may hold after a crop."""
         if not self._fp_start:
             return 0
-        return (-(-self._fp_start // self.residual) + 1) * self.residual  # then Q(N) >= fp_start
+        return -(-self._fp_start // self.residual) * self.residual  # then Q(N) >= fp_start
 
     @property
     def max_rollback(self) -> int:
@@ -274,6 +336,7 @@ class QuantizedLayer(CacheLayer):
     @property
     def meta_state(self) -> dict[str, Any]:
         meta: dict[str, Any] = {"bits": self.bits, "group_size": self.group_size, "residual": self.residual,
+                                "key_groups": self.key_groups,
                                 "seq_length": self._longest(), "full_precision_from": self._fp_start,
                                 "quantized_from": self._q_start, "quantized": self._quantized,
                                 "record_past": self._recording}  # fmt: skip
@@ -283,7 +346,10 @@ class QuantizedLayer(CacheLayer):
 
     @classmethod
     def _params(cls, meta_state: dict[str, Any]) -> dict[str, Any]:
-        return {k: meta_state.get(k) for k in ("bits", "group_size", "residual")}
+        if "key_groups" not in meta_state:
+            raise CacheInputError(f"{cls.__name__} saved by an earlier kvcache: quantized layers are laid out "
+                                  "differently since per-channel keys (KIVI's residual); create the cache again")  # fmt: skip
+        return {k: meta_state.get(k) for k in ("bits", "group_size", "residual", "key_groups")}
 
     @classmethod
     def from_state(cls, meta_state: dict[str, Any], state: dict[str, torch.Tensor]) -> Self:
@@ -311,16 +377,21 @@ class QuantizedLayer(CacheLayer):
             raise CacheInputError(f"{name}: inconsistent lengths (seen {seen}, full precision from {fp_start}, "
                                   f"quantized [{q_start}, {quantized}))")  # fmt: skip
         layer._group = groups_of(keys.shape[3], layer.group_size)
+        if any(layer._block_floor(n) != n for n in (fp_start, q_start)):
+            raise CacheInputError(f"{name}: per-channel keys are kept in blocks of {layer.residual} tokens, but "
+                                  f"full precision starts at {fp_start} and quantization at {q_start}")  # fmt: skip
         layer._fp = KVBuffer.from_tensors(keys, values)
         layer._fp_start, layer._q_start, layer._quantized = fp_start, q_start, quantized
         if quantized > q_start:
             n = quantized - q_start
             data_k, data_v, pk, pv = (state[k] for k in ("keys_q", "values_q", "params_k", "params_v"))
-            width = keys.shape[3] // (2 if layer.bits == 4 else 1)
-            groups = 2 * keys.shape[3] // layer._group
-            ok = (data_k.dtype == data_v.dtype == torch.uint8 and tuple(data_k.shape) == (*keys.shape[:2], n, width)
-                  and data_v.shape == data_k.shape and tuple(pk.shape) == (*keys.shape[:2], n, groups)
-                  and pv.shape == pk.shape and pk.dtype == pv.dtype and pk.is_floating_point())  # fmt: skip
+            dim, lead = keys.shape[3], (*keys.shape[:2], n)
+            width, groups = data_width(dim, layer.bits), 2 * dim // layer._group
+            key_params = channel_param_width(dim, layer.residual) if layer._per_channel else groups
+            ok = (data_k.dtype == data_v.dtype == torch.uint8 and tuple(data_k.shape) == (*lead, width)
+                  and data_v.shape == data_k.shape and tuple(pk.shape) == (*lead, key_params)
+                  and tuple(pv.shape) == (*lead, groups) and pk.dtype == pv.dtype
+                  and pk.is_floating_point())  # fmt: skip
             if not ok:
                 raise CacheInputError(f"{name}: quantized tensors do not fit {layer.bits}-bit keys of "
                                       f"{tuple(keys.shape)} and {n} quantized token(s)")  # fmt: skip

@@ -1,7 +1,8 @@
 """A quantized sliding window: the last `sliding_window - 1` keys/values (plus what recording
 needs), quantized as `QuantizedLayer` quantizes them (see there). Quantized tokens leave the
-front as the window moves; a token that leaves every window before its block is quantized is never
-quantized at all."""
+front as the window moves (by whole blocks when keys are quantized per channel: a block straddling
+the window's start is kept whole); a block that leaves every window before it is quantized is
+never quantized at all."""
 
 from __future__ import annotations
 
@@ -25,11 +26,11 @@ class QuantizedSlidingWindowLayer(QuantizedLayer):
     is_sliding = True
 
     def __init__(self, sliding_window: int, bits: int = 8, group_size: int = 64,
-                 residual: int = DEFAULT_RESIDUAL) -> None:  # fmt: skip
+                 residual: int = DEFAULT_RESIDUAL, key_groups: str = "channel") -> None:  # fmt: skip
         if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
             raise CacheInputError(f"sliding_window must be a positive int, got {sliding_window!r}")
         self.sliding_window = sliding_window
-        super().__init__(bits, group_size, residual)
+        super().__init__(bits, group_size, residual, key_groups)
 
     def _reset(self) -> None:
         super()._reset()
@@ -50,7 +51,7 @@ class QuantizedSlidingWindowLayer(QuantizedLayer):
         """Tokens before the window of the shortest row go (before the window at the commit point
         while recording); full-precision copies of quantized tokens too, while not recording."""
         floor = self._seen_at_commit if self._recording else self._shortest()
-        window = max(floor - (self.sliding_window - 1), 0)
+        window = self._block_floor(max(floor - (self.sliding_window - 1), 0))  # whole key blocks per channel
         fp_from = max(window, self._fp_start) if self._recording else max(window, self._quantized)
         self._drop_front(min(fp_from, self._longest()), min(window, self._quantized))
 
@@ -59,7 +60,7 @@ class QuantizedSlidingWindowLayer(QuantizedLayer):
         window = held + self.sliding_window - 1 if held else 0  # the window must still be held
         if not self._fp_start:
             return window
-        by_quantization = (-(-self._fp_start // self.residual) + 1) * self.residual
+        by_quantization = -(-self._fp_start // self.residual) * self.residual
         by_window = self._fp_start + self.sliding_window - 1  # tokens returned to precision are out of the window
         return max(window, min(by_quantization, by_window))
 

@@ -18,6 +18,7 @@ from .modules import (
     check_inputs,
     check_layer_types,
     default_position_ids,
+    in_pieces,
     init_weights,
     past_lengths,
 )
@@ -100,7 +101,7 @@ class DecoderLM(nn.Module):
     def device(self) -> torch.device:
         return self.embed.weight.device
 
-    #: Quantize the attention layers of `new_cache()` to this many bits (8 or 4; None: full precision),
+    #: Quantize the attention layers of `new_cache()` to this many bits (8, 4 or 2; None: full precision),
     #: in groups of `kv_group_size` along head_dim.
     kv_bits: int | None = None
     kv_group_size: int = 64
@@ -130,6 +131,9 @@ class DecoderLM(nn.Module):
         past_length = cache.get_seq_length() if cache is not None else 0
         check_inputs(input_ids, self.vocab_size, attention_mask, position_ids, past_length)
         batch, length = input_ids.shape
+        pieces = cache.forward_segments(length) if cache is not None else [length]
+        if len(pieces) > 1:
+            return in_pieces(self.forward, pieces, input_ids, cache, attention_mask, position_ids, past_length)
         rows_past = past_lengths(cache, input_ids.device)  # per row once a per-row crop left them ragged
         if position_ids is None:
             position_ids = default_position_ids(batch, length, rows_past, attention_mask, input_ids.device)

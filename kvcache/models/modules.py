@@ -113,6 +113,21 @@ def check_inputs(
         )
 
 
+def in_pieces(forward: Any, pieces: list[int], input_ids: torch.Tensor, cache: Any,
+              attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, past: int,
+              **kwargs: Any) -> torch.Tensor:  # fmt: skip
+    """`forward` run on consecutive pieces of `input_ids` (`Cache.forward_segments`), each with its
+    part of the mask and positions; the logits of all, concatenated."""
+    out, start = [], 0
+    for n in pieces:
+        mask = None if attention_mask is None else attention_mask[:, : past + start + n]
+        positions = None if position_ids is None else position_ids[:, start : start + n]
+        out.append(forward(input_ids[:, start : start + n], cache=cache, attention_mask=mask, position_ids=positions,
+                           **kwargs))  # fmt: skip
+        start += n
+    return torch.cat(out, dim=1)
+
+
 def past_lengths(cache: Any, device: torch.device) -> int | torch.Tensor:
     """What every row of a batch holds in `cache`: one int, or an int64 `[batch]` tensor on `device`
     once a per-row crop left rows of different lengths (each row's queries then follow its own

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import threading
 import time
 import traceback
@@ -143,6 +144,9 @@ class Engine:
             raise CacheInputError("the served model's cache has static layers (or a quantized sliding window narrower "
                                   "than a chunk), which the prefix store cannot keep")  # fmt: skip
         self.block_limit = prefill.block_limit(model, store.chunk_size)
+        blocks = [block for layer in model.new_cache() if (block := layer.forward_block)]
+        #: drafts stop at multiples of this: every chunk boundary, and no quantized block boundary crossed
+        self.draft_step = math.gcd(store.chunk_size, *blocks)
         module = model_module(model)
         param = None if module is None else next(iter(module.parameters()), None)
         self.device = torch.device("cpu") if param is None else param.device

@@ -28,9 +28,12 @@ from ..layers.hybrid import HybridLayer
 from ..layers.recurrent import RecurrentLayer
 from ..layers.sliding import SlidingWindowLayer
 from ..store.payloads import Delta, Payload, WindowDelta, capture
+from .quantized_rows import QuantizedRows
 
 #: (class name, meta_state, state) of a batch-1 layer: one row's content.
 RowState = tuple[str, dict[str, Any], dict[str, torch.Tensor]]
+#: Quantized attention, batched as `QuantizedRows`.
+QUANTIZED = ("QuantizedLayer", "QuantizedSlidingWindowLayer")
 
 
 def row_state(layer: CacheLayer, r: int, pad: int) -> RowState:
@@ -43,6 +46,9 @@ def row_state(layer: CacheLayer, r: int, pad: int) -> RowState:
         return "HybridLayer", meta, state
     if isinstance(layer, EmptyLayer):
         return "EmptyLayer", {"record_past": False}, {}
+    if isinstance(layer, QuantizedRows):  # each row is its own layer already
+        row = layer.rows[r]
+        return type(row).__name__, row.meta_state, row.state
     length = layer.row_lengths()[r]  # physical: padding included
     real = length - pad
     if type(layer) is SlidingWindowLayer:
@@ -71,6 +77,8 @@ def row_state(layer: CacheLayer, r: int, pad: int) -> RowState:
                           "seen": real if (conv is not None or rec is not None) else 0, "open_tokens": None,
                           "open_at_commit": None, "steps": []})  # fmt: skip
         return "RecurrentLayer", {"num_states": layer.num_states, "record_past": False, "slots": slots}, state
+    if type(layer).__name__ in QUANTIZED:  # a request's own cache (batch 1, real tokens only)
+        return type(layer).__name__, layer.meta_state, layer.state
     raise CacheInputError(f"a server batch holds dynamic layers only, not {type(layer).__name__}")
 
 
@@ -95,6 +103,8 @@ def _row_payload(layer: CacheLayer, r: int, pad: int, start: int, end: int) -> P
         _, _, state = row_state(layer, r, pad)
         n = end - start
         return WindowDelta(state["keys"][:, :, -n:].clone(), state["values"][:, :, -n:].clone(), layer.sliding_window)
+    if isinstance(layer, QuantizedRows):
+        return capture(layer.rows[r], start, end)
     if isinstance(layer, HybridLayer):
         from ..store.payloads import HybridPayload
 
@@ -123,6 +133,9 @@ def _stack_layer(rows: list[RowState]) -> CacheLayer:
         return RecurrentLayer.from_state({**meta0, "slots": slots}, state)
     reals = [m["seq_length"] for _, m, _ in rows]
     longest = max(reals)
+    if cls in QUANTIZED:  # rows keep their own layers (blocks where the request alone has them)
+        layers = [LAYER_REGISTRY[c].from_state(m, s) for c, m, s in rows]
+        return QuantizedRows(layers, [longest - n for n in reals])  # type: ignore[arg-type]
     if cls == "SlidingWindowLayer":
         kept = min(meta0["sliding_window"] - 1, longest)
         meta = {**meta0, "seq_length": longest, "kept_length": kept}
@@ -151,7 +164,7 @@ def stack(rows: list[list[RowState]]) -> tuple[Cache, list[int]]:
 
 def _real_length(row: list[RowState]) -> int:
     for cls, meta, _ in row:
-        if cls in ("DynamicLayer", "SlidingWindowLayer"):
+        if cls in ("DynamicLayer", "SlidingWindowLayer", *QUANTIZED):
             return meta["seq_length"]
         if cls == "HybridLayer":
             return meta["attention"]["meta_state"]["seq_length"]

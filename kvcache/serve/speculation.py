@@ -4,10 +4,11 @@ forward, and each row is cropped by its own count.
 
 A row's draft stops at its next chunk boundary, so a row's kept tokens land on every boundary
 exactly and the prefix store can take the state there (a step past a boundary would leave no
-state at it). Rows with shorter drafts are padded with their own last token, never accepted. The
-acceptance rule is the speculative-decoding one (`kvcache.generation.speculative`): greedy rows
-keep the drafts the target's argmax agrees with, sampling rows follow the speculative-sampling
-rule, so the output is the target's own either way.
+state at it), and at its next quantized block boundary (a verify forward's queries then see what
+single steps would see quantized: `Cache.forward_segments`). Rows with shorter drafts are padded
+with their own last token, never accepted. The acceptance rule is the speculative-decoding one
+(`kvcache.generation.speculative`): greedy rows keep the drafts the target's argmax agrees with,
+sampling rows follow the speculative-sampling rule, so the output is the target's own either way.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def speculative_step(engine: Any) -> None:
     rows, cache = engine._rows, engine._cache
     drafts, verifiers = [], []
     for request in rows:
-        to_boundary = engine.store.chunk_size - request.session.length % engine.store.chunk_size
+        to_boundary = engine.draft_step - request.session.length % engine.draft_step
         budget = min(engine.speculative, request.max_tokens - len(request.tokens) - 1, to_boundary - 1)
         sequence = request.prompt + request.tokens
         verifier = Verifier(request.sampling, request.generator)  # a draft model picks as the row samples

@@ -1,11 +1,15 @@
 """What a prefix store keeps of a quantized attention layer at a chunk boundary.
 
-A token's quantized form depends on the token alone, so a chunk keeps its tokens quantized (a
-delta, shared by every prefix that shares the chunk, as full attention's are) and the layer's
-full-precision residual at the boundary (at most `2 * residual - 1` tokens, the part not yet
-quantized there). A prefix of m chunks rebuilds as the concatenation of its chunks' quantized
-tokens, cut where the layer quantizes at that boundary, followed by the last chunk's residual.
-A quantized sliding window must be at least a chunk wide (the chunk's tokens are then held).
+What the layer holds at a boundary is a function of the tokens before it (`layers.quantized`):
+the first `Q(end)` tokens quantized, the rest in full precision (the block being filled, none at a
+boundary that is a multiple of `residual`, and what a sliding window keeps). A chunk's entry keeps the tokens the
+layer quantized between its start and end boundaries (a delta, shared by every prefix that shares
+the chunk, as full attention's are; none for a chunk that quantized nothing) and the layer's
+full-precision part at its end boundary. A prefix of m chunks rebuilds as the concatenation of its
+chunks' quantized tokens (from where the layer still holds them), followed by the last chunk's
+full-precision part. Per-channel keys are quantized by whole blocks, which is why an entry holds
+what the layer quantized rather than its own tokens: a chunk may end inside a block.
+A quantized sliding window must be at least a chunk wide.
 """
 
 from __future__ import annotations
@@ -14,14 +18,16 @@ from dataclasses import dataclass
 
 import torch
 
+from ..layers.quant import channel_param_width, data_width, param_dtype
 from ..layers.quantized import QuantizedLayer
 from ..layers.quantized_sliding import QuantizedSlidingWindowLayer
 
 
 @dataclass(frozen=True)
 class QuantDelta:
-    """One chunk of a quantized layer: its tokens quantized (`data_*`, `params_*`: `[1, heads, chunk, ...]`),
-    the full-precision residual at its end boundary, and the layer's parameters."""
+    """One chunk of `tokens` tokens of a quantized layer: the tokens quantized at its end boundary
+    that were not at its start (`data_*`, `params_*`: `[1, heads, n, ...]`), the full-precision
+    part at its end boundary (`residual_*`), and the layer's parameters."""
 
     data_k: torch.Tensor
     data_v: torch.Tensor
@@ -33,16 +39,56 @@ class QuantDelta:
     group_size: int
     residual: int
     window: int = 0  # 0: full attention
+    tokens: int = 0
+    key_groups: str = "channel"
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.data_k, self.data_v, self.params_k, self.params_v, self.residual_k,
-                                      self.residual_v))  # fmt: skip
+        return sum(t.nbytes for t in self.tensors.values())
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
         names = ("data_k", "data_v", "params_k", "params_v", "residual_k", "residual_v")
         return {name: getattr(self, name) for name in names}
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where a quantized layer of these parameters keeps what, as a function of its length."""
+
+    residual: int
+    window: int
+    block: int  # tokens are kept by whole blocks of this many (1: any)
+
+    def quantized(self, n: int) -> int:
+        return n // self.residual * self.residual
+
+    def _floor(self, n: int) -> int:
+        return n // self.block * self.block
+
+    def window_start(self, n: int) -> int:
+        return self._floor(max(n - (self.window - 1), 0)) if self.window else 0
+
+    def quantized_from(self, n: int) -> int:
+        """The first quantized token a layer holding `n` tokens keeps."""
+        return min(self.window_start(n), self.quantized(n))
+
+    def full_precision_from(self, n: int) -> int:
+        return max(self.quantized(n), self.window_start(n))
+
+    def span(self, start: int, end: int) -> tuple[int, int]:
+        """The tokens a chunk `[start, end)` keeps quantized: what its end quantized and still holds."""
+        stop = self.quantized(end)
+        return min(max(self.quantized(start), self.quantized_from(end)), stop), stop
+
+
+def _layout(layer: QuantizedLayer) -> _Layout:
+    window = layer.sliding_window if type(layer) is QuantizedSlidingWindowLayer else 0
+    return _Layout(layer.residual, window, layer.residual if layer.key_groups == "channel" else 1)
+
+
+def _layout_of(delta: QuantDelta) -> _Layout:
+    return _Layout(delta.residual, delta.window, delta.residual if delta.key_groups == "channel" else 1)
 
 
 def quantized_capturable(layer: object, chunk: int) -> bool:
@@ -54,64 +100,52 @@ def quantized_capturable(layer: object, chunk: int) -> bool:
 
 def capture_quantized(layer: QuantizedLayer, start: int, end: int) -> QuantDelta:
     """The chunk `[start, end)` of `layer` (batch 1, holding exactly `end` tokens)."""
-    from ..layers.quant import quantize
-
+    layout = _layout(layer)
     fp_k, fp_v = layer._fp.tail(len(layer._fp))
-    quantized, fp_start = layer._quantized, layer._fp_start
-    parts: list[list[torch.Tensor]] = [[], [], [], []]
-    if start < quantized:  # already quantized in the layer: take its data
-        n = min(quantized, end) - start
-        offset = layer._held_quantized - (quantized - start)
-        for i, buffer in enumerate((layer._q, layer._q, layer._p, layer._p)):
-            parts[i].append(buffer.tail(layer._held_quantized)[i % 2].narrow(2, offset, n).clone())
-    if end > quantized:  # not quantized yet: quantize the chunk's full-precision tokens now
-        lo = max(start, quantized) - fp_start
-        for fp, (data_i, params_i) in ((fp_k, (0, 2)), (fp_v, (1, 3))):
-            data, params = quantize(fp.narrow(2, lo, end - max(start, quantized)), layer.bits, layer._group)
-            parts[data_i].append(data)
-            parts[params_i].append(params)
-    data_k, data_v, params_k, params_v = (torch.cat(p, dim=2) for p in parts)
-    res_from = max(quantized, _window_start(layer, end)) - fp_start
-    window = getattr(layer, "sliding_window", 0) if type(layer) is QuantizedSlidingWindowLayer else 0
-    return QuantDelta(data_k, data_v, params_k, params_v, fp_k.narrow(2, res_from, end - fp_start - res_from).clone(),
-                      fp_v.narrow(2, res_from, end - fp_start - res_from).clone(), layer.bits, layer.group_size,
-                      layer.residual, window)  # fmt: skip
-
-
-def _window_start(layer: object, end: int) -> int:
-    window = getattr(layer, "sliding_window", 0) if type(layer) is QuantizedSlidingWindowLayer else 0
-    return max(end - (window - 1), 0) if window else 0
-
-
-def _target(residual: int, end: int) -> int:
-    return max(0, (end - residual) // residual) * residual
+    low, high = layout.span(start, end)
+    heads, dim = fp_k.shape[1], fp_k.shape[3]
+    if high > low:
+        first = layer._quantized - layer._held_quantized
+        if low < first or high > layer._quantized:
+            raise ValueError(f"tokens [{low}, {high}) are not held quantized (the layer holds [{first}, "
+                             f"{layer._quantized}))")  # fmt: skip
+        data, params = layer._q.tail(layer._held_quantized), layer._p.tail(layer._held_quantized)
+        parts = [t.narrow(2, low - first, high - low).clone() for t in (*data, *params)]
+    else:
+        pdtype = param_dtype(fp_k.dtype)
+        groups = 2 * dim // layer._group
+        key_params = channel_param_width(dim, layer.residual) if layer.key_groups == "channel" else groups
+        widths = ((data_width(dim, layer.bits), torch.uint8), (data_width(dim, layer.bits), torch.uint8),
+                  (key_params, pdtype), (groups, pdtype))  # fmt: skip
+        parts = [fp_k.new_empty(1, heads, 0, width, dtype=dtype) for width, dtype in widths]
+    res_from = layout.full_precision_from(end) - layer._fp_start
+    residual = [t.narrow(2, res_from, t.shape[2] - res_from).clone() for t in (fp_k, fp_v)]
+    return QuantDelta(*parts, *residual, layer.bits, layer.group_size, layer.residual, layout.window,
+                      end - start, layer.key_groups)  # fmt: skip
 
 
 def rebuild_quantized(path: list[QuantDelta], device: torch.device | None) -> QuantizedLayer:
     last = path[-1]
-    end = sum(p.data_k.shape[2] for p in path)
-    quantized = _target(last.residual, end)
-    window_start = max(end - (last.window - 1), 0) if last.window else 0
-    q_start = min(window_start, quantized)
-    parts, held = [], 0  # the last chunks, back to `q_start`
-    for p in reversed(path):
-        if end - held <= q_start:
-            break
-        parts.append(p)
-        held += p.data_k.shape[2]
-    first = end - held
-    names = ("data_k", "data_v", "params_k", "params_v")
-    joined = {n: torch.cat([getattr(p, n).to(device) for p in reversed(parts)], dim=2)[:, :, q_start - first:
-                                                                                     quantized - first]
-              for n in names}  # fmt: skip
-    fp_start = end - last.residual_k.shape[2]
-    meta = {"bits": last.bits, "group_size": last.group_size, "residual": last.residual, "seq_length": end,
-            "full_precision_from": fp_start, "quantized_from": q_start, "quantized": quantized,
-            "record_past": False}  # fmt: skip
+    layout = _layout_of(last)
+    end = sum(p.tokens for p in path)
+    quantized, q_start = layout.quantized(end), layout.quantized_from(end)
+    pieces, position, first = [], 0, None
+    for p in path:  # the chunks whose quantized tokens reach past `q_start`, back to where they start
+        low, high = layout.span(position, position + p.tokens)
+        position += p.tokens
+        if high > max(low, q_start):
+            first = low if first is None else first
+            pieces.append(p)
+    meta = {"bits": last.bits, "group_size": last.group_size, "residual": last.residual,
+            "key_groups": last.key_groups, "seq_length": end,
+            "full_precision_from": layout.full_precision_from(end), "quantized_from": q_start,
+            "quantized": quantized, "record_past": False}  # fmt: skip
     state = {"keys": last.residual_k.to(device), "values": last.residual_v.to(device)}
     if quantized > q_start:
-        state.update(keys_q=joined["data_k"], values_q=joined["data_v"], params_k=joined["params_k"],
-                     params_v=joined["params_v"])  # fmt: skip
+        names = {"keys_q": "data_k", "values_q": "data_v", "params_k": "params_k", "params_v": "params_v"}
+        for name, field in names.items():
+            joined = torch.cat([getattr(p, field).to(device) for p in pieces], dim=2)
+            state[name] = joined[:, :, q_start - first : quantized - first]  # type: ignore[operator]
     if last.window:
         return QuantizedSlidingWindowLayer.from_state({**meta, "sliding_window": last.window,
                                                        "seq_length_at_commit": 0}, state)  # fmt: skip
@@ -120,21 +154,18 @@ def rebuild_quantized(path: list[QuantDelta], device: torch.device | None) -> Qu
 
 def check_quantized(payload: QuantDelta, ref: QuantDelta, chunks: int) -> str | None:
     """None when `payload` is the model's quantized layer after `chunks` chunks (`ref`: after one)."""
-    params = ("bits", "group_size", "residual", "window")
+    params = ("bits", "group_size", "residual", "window", "tokens", "key_groups")
     if any(getattr(payload, n) != getattr(ref, n) for n in params):
         mine, theirs = ([getattr(x, n) for n in params] for x in (payload, ref))
         return f"quantization {mine}, the model's is {theirs}"
-    for name in ("data_k", "data_v", "params_k", "params_v"):
-        got, want = getattr(payload, name), getattr(ref, name)
-        if not isinstance(got, torch.Tensor) or got.dtype != want.dtype or got.shape != want.shape:
-            return f"{name} {tuple(got.shape)} {got.dtype}, the model's is {tuple(want.shape)} {want.dtype}"
-    chunk = ref.data_k.shape[2]
+    layout, chunk = _layout_of(ref), ref.tokens
     end = chunks * chunk
-    window_start = max(end - (ref.window - 1), 0) if ref.window else 0
-    residual = end - max(_target(ref.residual, end), window_start)
-    for name in ("residual_k", "residual_v"):
+    low, high = layout.span(end - chunk, end)
+    residual = end - layout.full_precision_from(end)
+    for name, length in (("data_k", high - low), ("data_v", high - low), ("params_k", high - low),
+                         ("params_v", high - low), ("residual_k", residual), ("residual_v", residual)):  # fmt: skip
         got, want = getattr(payload, name), getattr(ref, name)
-        shape = (*want.shape[:2], residual, want.shape[3])
+        shape = (*want.shape[:2], length, want.shape[3])
         if not isinstance(got, torch.Tensor) or got.dtype != want.dtype or tuple(got.shape) != shape:
             return f"{name} {tuple(got.shape)} {got.dtype}, the model's would be {shape} {want.dtype}"
     return None

@@ -1,0 +1,87 @@
+"""The server's engine on quantized caches (`kvcache serve --kv-bits`): every request is quantized
+exactly as when it runs alone (`QuantizedRows`: each row its own layer, blocks at its own
+positions), so under concurrency, with and without speculation, and from the prefix store, each
+greedy answer equals the prompt decoded alone with the same quantized cache. The bundled model in
+float64, as the other engine tests (batched and single-row kernels differ in the last bits only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_serve_engine import alone, prompt_ids, run_requests
+
+from kvcache.generation.sampling import Sampling
+from kvcache.layers.quantized import QuantizedLayer
+from kvcache.models import load_default_model
+from kvcache.serve.engine import Engine, Request
+from kvcache.serve.quantized_rows import QuantizedRows
+from kvcache.store import PrefixStore
+from kvcache.store.quant_payloads import QuantDelta
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def quantized():
+    model, tokenizer = load_default_model(dtype=torch.float64)
+    model.kv_bits = 4
+    return model, tokenizer
+
+
+@pytest.mark.parametrize("speculative", [0, 4], ids=["plain", "speculative"])
+def test_answers_equal_each_prompt_alone_with_the_same_quantized_cache(quantized, speculative: int) -> None:
+    """8 prompts of 9 to 200 tokens at once (rows of every padding, so blocks would fall apart in a
+    shared layer), then the same prompts again (hits on the quantized chunks stored the first time):
+    every answer is the prompt decoded alone through a quantized cache."""
+    model, tokenizer = quantized
+    assert isinstance(model.new_cache().layers[0], QuantizedLayer)
+    store = PrefixStore(chunk_size=16)
+    engine = Engine(model, store, eos=[], speculative=speculative, max_step_tokens=128)
+    batches = []
+    original = engine._join
+
+    def join() -> None:  # the batch's attention layers, as the engine lays them out
+        original()
+        batches.append(engine._cache.layers[0])
+
+    engine._join = join
+    engine.start()
+    try:
+        prompts = [prompt_ids(tokenizer, i, n) for i, n in enumerate((9, 40, 200, 77, 16, 130, 33, 95))]
+        for _ in range(2):
+            requests = [Request(prompt=p, max_tokens=40, sampling=Sampling(False)) for p in prompts]
+            outcomes = run_requests(engine, requests)
+            for prompt, request, outcome in zip(prompts, requests, outcomes, strict=True):
+                assert outcome.events[-1] == ("done", "length")
+                assert request.tokens == alone(model, prompt, 40)
+        assert sum(r.cached_tokens for r in requests) >= sum(len(p) // 16 * 16 - 16 for p in prompts)
+    finally:
+        engine.stop()
+    assert batches and all(isinstance(layer, QuantizedRows) for layer in batches)
+    assert any(len(set(layer.pads)) > 2 for layer in batches)  # rows of different paddings were batched
+
+
+def test_quantized_store_entries_hold_quantized_chunks(quantized) -> None:
+    """Entries the server stores for a quantized model are quantized chunks (no full-precision
+    token at a 16-token boundary), well under the size of the full-precision model's entries."""
+    model, tokenizer = quantized
+    sizes = {}
+    for bits in (4, None):
+        model.kv_bits = bits
+        try:
+            store = PrefixStore(chunk_size=16)
+            engine = Engine(model, store, eos=[])
+            engine.start()
+            try:
+                run_requests(engine, [Request(prompt=prompt_ids(tokenizer, 3, 96), max_tokens=4,
+                                              sampling=Sampling(False))])  # fmt: skip
+            finally:
+                engine.stop()
+            entries = list(store.backend.entries().values())
+            sizes[bits] = sum(e.nbytes for e in entries) / len(entries)
+            if bits:
+                for entry in entries:
+                    assert all(isinstance(p, QuantDelta) and p.residual_k.shape[2] == 0 for p in entry.payloads)
+        finally:
+            model.kv_bits = 4
+    assert sizes[4] <= 0.35 * sizes[None]
