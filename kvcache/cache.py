@@ -148,6 +148,7 @@ class Cache:
         not depend on how tokens were grouped into forwards (prompt blocks, verify forwards, store
         hits, the batch a server puts a request in). One piece for caches without quantized layers
         and for rows of different lengths (whose blocks their owner aligns)."""
+        length = check_query_length(length)
         layers = list(self.layers)
         if not layers and self.layer_factory is not None:
             layers = [self.layer_factory()]  # not built yet: as the first update will build them

@@ -200,6 +200,9 @@ def test_what_cannot_be_rolled_back_is_refused_and_changes_nothing():
             QuantizedLayer(**bad)
     with pytest.raises(CacheInputError):
         make(None, 8).update(keys.to(torch.int64), keys.to(torch.int64))
+    older = {k: v for k, v in layer.meta_state.items() if k != "key_groups"}  # saved before per-channel keys
+    with pytest.raises(CacheInputError, match="earlier kvcache"):
+        QuantizedLayer.from_state(older, layer.state)
 
 
 def test_bytes_held_per_token():

@@ -138,6 +138,9 @@ def test_a_forward_sees_what_single_steps_see_quantized(kind: str, monkeypatch) 
         cache_of, vocab = (lambda: cache_from_config(model.config, kv_bits=4)), 128
     ids = torch.randint(3, vocab, (1, 50), generator=torch.Generator().manual_seed(2))
     assert cache_of().forward_segments(50) == [16, 16, 16, 2]
+    for bad in (-1, 1.5, "3"):
+        with pytest.raises(CacheInputError):
+            cache_of().forward_segments(bad)
     assert _one_forward_against_steps(model, cache_of, ids) < 1e-9
     monkeypatch.setattr(Cache, "forward_segments", lambda self, length: [length])
     assert _one_forward_against_steps(model, cache_of, ids) > 1e-4

@@ -83,20 +83,14 @@ def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     return out
 
 
-def _unpack_scaled(packed: torch.Tensor, bits: int, scale: torch.Tensor, out: torch.Tensor) -> None:
-    """`out[..., n] = codes * scale` for the codes `_pack` packed into `packed` `[..., n * bits // 8]`
-    (`scale` broadcasts against `out`, or is `[..., n]`-wide per part when it varies along it)."""
+def _unpacked(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """The codes `_pack` packed into `packed` `[..., n * bits // 8]`, as uint8 `[..., n]`."""
     per = 8 // bits
     if per == 1:
-        torch.mul(packed, scale, out=out)
-        return
-    width, mask = packed.shape[-1], (1 << bits) - 1
-    per_value = scale.shape[-1] != 1
-    for i in range(per):
-        codes = packed >> (bits * i) if i else packed
-        codes = codes & mask if i < per - 1 else codes  # the top part needs no mask
-        part_scale = scale[..., i * width : (i + 1) * width] if per_value else scale
-        torch.mul(codes, part_scale, out=out[..., i * width : (i + 1) * width])
+        return packed
+    mask = (1 << bits) - 1
+    parts = [packed & mask, *((packed >> (bits * i)) & mask for i in range(1, per - 1)), packed >> (bits * (per - 1))]
+    return torch.cat(parts, dim=-1)
 
 
 def _codes(g: torch.Tensor, low: torch.Tensor, high: torch.Tensor, bits: int,
@@ -131,8 +125,9 @@ def dequantize(data: torch.Tensor, params: torch.Tensor, bits: int, group: int, 
     if out is None:
         out = torch.empty(*lead, dim, dtype=dtype, device=data.device)
     scale, zero = params[..., :n, None].to(dtype), params[..., n:, None].to(dtype)
+    codes = _unpacked(data.view(*lead, n, group * bits // 8), bits)
     grouped = out.view(*lead, n, group)
-    _unpack_scaled(data.view(*lead, n, group * bits // 8), bits, scale, grouped)
+    torch.mul(codes, scale, out=grouped)  # (faster than one addcmul when scales broadcast along the last dim)
     grouped.add_(zero)
     return out
 
@@ -161,7 +156,6 @@ def dequantize_channels(data: torch.Tensor, params: torch.Tensor, bits: int, blo
         out = torch.empty(*lead, tokens, dim, dtype=dtype, device=data.device)
     flat = params.reshape(*lead, blocks, -1)
     scale, zero = flat[..., None, :dim].to(dtype), flat[..., None, dim : 2 * dim].to(dtype)
-    grouped = out.view(*lead, blocks, block, dim)
-    _unpack_scaled(data.view(*lead, blocks, block, width), bits, scale, grouped)
-    grouped.add_(zero)
+    codes = _unpacked(data.view(*lead, blocks, block, width), bits)
+    torch.addcmul(zero, codes, scale, out=out.view(*lead, blocks, block, dim))  # one pass: zero + code * scale
     return out

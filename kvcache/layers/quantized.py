@@ -348,7 +348,7 @@ class QuantizedLayer(CacheLayer):
     def _params(cls, meta_state: dict[str, Any]) -> dict[str, Any]:
         if "key_groups" not in meta_state:
             raise CacheInputError(f"{cls.__name__} saved by an earlier kvcache: quantized layers are laid out "
-                                  "differently since per-channel keys (KIVI's residual); create the cache again")  # fmt: skip
+                                  "differently since per-channel keys; create the cache again")  # fmt: skip
         return {k: meta_state.get(k) for k in ("bits", "group_size", "residual", "key_groups")}
 
     @classmethod
