@@ -35,7 +35,7 @@ def same_layer(a: QuantizedLayer, b: QuantizedLayer) -> bool:
 
 @pytest.mark.parametrize("bits", [4, 2])
 @pytest.mark.parametrize("key_groups", ["channel", "token"])
-@pytest.mark.parametrize("window", [None, 29], ids=["full", "sliding"])
+@pytest.mark.parametrize("window", [None, 29, 6], ids=["full", "sliding", "narrow"])
 @pytest.mark.parametrize("chunk", [5, 8, 12])
 def test_chunks_rebuild_the_layer_at_every_boundary(bits: int, key_groups: str, window: int | None, chunk: int) -> None:
     gen = torch.Generator().manual_seed(chunk)

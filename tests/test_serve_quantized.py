@@ -85,3 +85,32 @@ def test_quantized_store_entries_hold_quantized_chunks(quantized) -> None:
         finally:
             model.kv_bits = 4
     assert sizes[4] <= 0.35 * sizes[None]
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3", "lfm2", "falcon_h1"])
+def test_transformers_models_are_served_quantized_as_alone(kind: str) -> None:
+    """Llama (full attention), Gemma3 (quantized sliding windows too), LFM2 (short convolutions
+    between attention layers) and Falcon-H1 (attention and Mamba under one layer index) wrapped with
+    `kv_bits=4`, served with prompt-lookup speculation: each greedy answer equals the prompt decoded
+    alone through the same quantized cache (Falcon-H1 without speculation, which it is refused)."""
+    pytest.importorskip("transformers", minversion="5.24")
+    from test_transformers_models import tiny_model
+
+    from kvcache.generation import generate
+    from kvcache.integrations.transformers import wrap_model
+
+    model = wrap_model(tiny_model(kind).double(), kv_bits=4)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (9, 40, 23, 70)]
+    prompts = [p + p[:20] for p in prompts]  # some repetition: drafts get accepted
+    speculative = 0 if kind == "falcon_h1" else 3  # Falcon-H1's Mamba states are not kept token by token
+    engine = Engine(model, PrefixStore(chunk_size=16), eos=[], speculative=speculative)
+    engine.start()
+    try:
+        requests = [Request(prompt=p, max_tokens=24, sampling=Sampling(False)) for p in prompts]
+        run_requests(engine, requests)
+    finally:
+        engine.stop()
+    for prompt, request in zip(prompts, requests, strict=True):
+        ids = torch.tensor([prompt])
+        assert request.tokens == generate(model, ids, max_new_tokens=24).sequences[0, len(prompt) :].tolist()

@@ -141,8 +141,7 @@ class Engine:
         self.metrics = metrics or Metrics()
         self.speculative, self.max_batch, self.max_step_tokens = speculative, max_batch, max_step_tokens
         if any(not storable(layer, store.chunk_size) for layer in model.new_cache()):
-            raise CacheInputError("the served model's cache has static layers (or a quantized sliding window narrower "
-                                  "than a chunk), which the prefix store cannot keep")  # fmt: skip
+            raise CacheInputError("the served model's cache has static layers, which the prefix store cannot keep")
         self.block_limit = prefill.block_limit(model, store.chunk_size)
         blocks = [block for layer in model.new_cache() if (block := layer.forward_block)]
         #: drafts stop at multiples of this: every chunk boundary, and no quantized block boundary crossed

@@ -267,7 +267,7 @@ def kind_of(layer: CacheLayer) -> str:
 
 def storable(layer: CacheLayer, chunk: int) -> bool:
     """Layers a prefix store can keep with chunks of `chunk` tokens: the growing kinds (static
-    layers are fixed-size buffers; a quantized window must be at least a chunk wide)."""
+    layers are fixed-size buffers)."""
     if isinstance(layer, HybridLayer):
         return storable(layer.attention, chunk) and storable(layer.recurrent, chunk)
     if isinstance(layer, QuantizedLayer):

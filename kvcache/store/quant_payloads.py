@@ -8,8 +8,8 @@ the chunk, as full attention's are; none for a chunk that quantized nothing) and
 full-precision part at its end boundary. A prefix of m chunks rebuilds as the concatenation of its
 chunks' quantized tokens (from where the layer still holds them), followed by the last chunk's
 full-precision part. Per-channel keys are quantized by whole blocks, which is why an entry holds
-what the layer quantized rather than its own tokens: a chunk may end inside a block.
-A quantized sliding window must be at least a chunk wide.
+what the layer quantized rather than its own tokens: a chunk may end inside a block. So a
+quantized sliding window of any width is kept, even one narrower than a chunk.
 """
 
 from __future__ import annotations
@@ -92,10 +92,9 @@ def _layout_of(delta: QuantDelta) -> _Layout:
 
 
 def quantized_capturable(layer: object, chunk: int) -> bool:
-    """Whether the store can keep `layer` as quantized deltas of `chunk` tokens."""
-    if type(layer) is QuantizedSlidingWindowLayer:
-        return layer.sliding_window - 1 >= chunk
-    return type(layer) is QuantizedLayer
+    """Whether the store can keep `layer` as quantized deltas of `chunk` tokens: both kinds, any
+    window (an entry holds what the layer quantized and its full-precision part, not the chunk)."""
+    return type(layer) in (QuantizedLayer, QuantizedSlidingWindowLayer)
 
 
 def capture_quantized(layer: QuantizedLayer, start: int, end: int) -> QuantDelta:

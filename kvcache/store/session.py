@@ -160,8 +160,7 @@ class StoreSession:
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise CacheInputError(f"prefix store: keep_last must be a positive int, got {keep_last!r}")
         if any(not storable(layer, self.chunk) for layer in self.template):
-            raise CacheInputError("prefix store: the model's cache has static layers (or a quantized sliding window "
-                                  "narrower than a chunk), which a store cannot keep")  # fmt: skip
+            raise CacheInputError("prefix store: the model's cache has static layers, which a store cannot keep")
         tokens = _check_tokens(tokens, self.model)
         limit = max((len(tokens) - keep_last) // self.chunk * self.chunk, 0)
         reused, cache = self.lookup(tokens, max_tokens=limit)
