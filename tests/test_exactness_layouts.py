@@ -1,8 +1,12 @@
 """Nothing incidental changes the computation a model sees: a cache that was loaded, copied,
 batch-indexed, committed or regrown continues *bitwise* like the original, under 1 and 2 torch
-threads. These runs do the same computation (same kernels, shapes and strides), so the claim is
-`torch.equal`; the strides the layers hand out are checked to be the same too, since a kernel may
-take another path (and other bits) for another layout.
+threads. These runs do the same computation (same kernels, shapes and layouts), so the claim is
+`torch.equal`. The layout of what the layers hand out is checked to be the same too, since a kernel
+may take another path (and other bits) for another layout: the shape, the strides inside each
+(batch, head) block `[seq, head_dim]`, and block strides in whole multiples of 64 bytes (every block
+starts at the alignment of the first). Where the blocks start (the batch and head strides) follows
+the storage's capacity; attention reads each block on its own, which the bitwise comparisons of the
+logits check.
 """
 
 from __future__ import annotations
@@ -33,12 +37,15 @@ def threads(request: pytest.FixtureRequest):
 
 
 def layouts(cache: Any) -> list:
-    """Shape and strides of every tensor each attention layer would hand to attention now."""
+    """The layout of every tensor each attention layer would hand to attention now: its shape, the
+    strides inside a (batch, head) block, and whether the blocks lie whole multiples of 64 bytes apart."""
     out = []
     for layer in cache.layers:
         for part in (layer, getattr(layer, "attention", None)):
             if part is not None and part.has_attention and getattr(part, "keys", None) is not None:
-                out.append((tuple(part.keys.shape), part.keys.stride(), part.values.stride()))
+                for t in (part.keys, part.values):
+                    aligned = all(s * t.element_size() % 64 == 0 for s in t.stride()[:2])
+                    out.append((tuple(t.shape), t.stride()[2:], aligned))
     return out
 
 

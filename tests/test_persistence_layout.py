@@ -1,8 +1,9 @@
-"""A file's layout is the cache's memory layout (format 3): sequence-major keys/values are stored as
-they lie in memory, so a save writes each tensor in one piece and a load reads each straight into
-the storage its layer keeps (with append headroom, no second copy). Files in 0.2's layout (format
-2), and files whose tensors lie in another order than their description lists them, still load
-exactly."""
+"""A file's layout is the cache's memory layout: head-major keys/values `[batch, heads, seq, dim]`
+are stored as they lie in memory, one contiguous block per batch row and head, so a save writes
+them without packing a copy and a load reads each block straight into the storage its layer keeps
+(with append headroom, no second copy). Files in 0.2's layout (format 2), files of 0.3-0.4 whose
+tensors were stored sequence-major (`order`), and files whose tensors lie in another order than
+their description lists them, still load exactly."""
 
 from __future__ import annotations
 
@@ -64,11 +65,10 @@ def test_keys_and_values_are_stored_as_they_lie_in_memory(tmp_path: Path, batch:
         for i, part in enumerate(attention_parts(cache)):
             prefix = "attention." if isinstance(cache.layers[i], HybridLayer) else ""
             for name, live in (("keys", part.keys), ("values", part.values)):
-                order = description["layers"][i]["tensors"][prefix + name]["order"]
+                assert "order" not in description["layers"][i]["tensors"][prefix + name]  # as in storage
                 stored = f.get_tensor(f"layers.{i}.{prefix}{name}")
-                assert stored.shape == (live.shape[2], batch, H, D)  # sequence-major rows, as in storage
-                assert torch.equal(stored, live.permute(order))
-                assert [live.shape[d] for d in order] == list(stored.shape)
+                assert stored.shape == (batch, H, live.shape[2], D) and torch.equal(stored, live)
+                assert live.stride()[2:] == (D, 1)  # each (batch, head) block contiguous in memory
 
 
 def test_a_load_reads_each_tensor_into_the_storage_its_layer_keeps(
@@ -94,18 +94,18 @@ def test_a_load_reads_each_tensor_into_the_storage_its_layer_keeps(
     storage = []
     for mine, theirs in zip(loaded.layers, cache.layers, strict=True):
         assert mine._kv.capacity == mine.headroom().capacity(len(mine._kv))
-        assert mine.keys.stride() == theirs.keys.stride() and torch.equal(mine.keys, theirs.keys)
+        assert mine.keys.stride()[2:] == theirs.keys.stride()[2:] and torch.equal(mine.keys, theirs.keys)
         storage.append(mine._kv.keys.data_ptr())
     gen_a, gen_b = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
     for _ in range(3):
         ours, reference = feed(loaded, gen_a, batch, 1), feed(cache, gen_b, batch, 1)
         for a, b in zip(ours, reference, strict=True):
-            assert a.stride() == b.stride() and torch.equal(a, b)
+            assert a.stride()[2:] == b.stride()[2:] and torch.equal(a, b)
     full = [i for i, layer in enumerate(loaded.layers) if not layer.is_sliding]  # a window slides when it must
     assert [loaded.layers[i]._kv.keys.data_ptr() for i in full] == [storage[i] for i in full]  # no regrowth
 
 
-def _write(path: Path, cache: Cache, version: str, reorder: bool = False) -> None:
+def _write(path: Path, cache: Cache, version: str, reorder: bool = False, seq_major: bool = False) -> None:
     """`cache` written as kvcache `version` files are: version 2 (kvcache 0.2) stored every tensor in
     its logical `[batch, heads, seq, dim]` order, with no `order` in the description. `reorder`
     stores the tensors in the reverse of the description's order."""
@@ -116,6 +116,13 @@ def _write(path: Path, cache: Cache, version: str, reorder: bool = False) -> Non
         for entry in description["layers"]:
             for spec in entry["tensors"].values():
                 spec.pop("order", None)
+    if seq_major:  # as kvcache 0.3-0.4 stored keys/values: `[seq, batch, heads, dim]`, order [2, 0, 1, 3]
+        for entry, layer_index in zip(description["layers"], range(len(description["layers"])), strict=True):
+            for name, spec in entry["tensors"].items():
+                if len(spec["shape"]) == 4 and name.split(".")[-1] in ("keys", "values"):
+                    spec["order"] = [2, 0, 1, 3]
+                    key = f"layers.{layer_index}.{name}"
+                    tensors[key] = tensors[key].permute(2, 0, 1, 3).contiguous()
     if reorder:
         tensors = dict(reversed(tensors.items()))
     description_json = json.dumps(description, separators=(",", ":"))
@@ -127,13 +134,15 @@ def _write(path: Path, cache: Cache, version: str, reorder: bool = False) -> Non
         write_safetensors(f, tensors, header, digest)
 
 
-@pytest.mark.parametrize(("version", "reorder"), [("2", False), ("3", True), ("2", True)])
-def test_other_layouts_load_exactly(tmp_path: Path, version: str, reorder: bool) -> None:
-    """A 0.2 file (logical layout), and a file whose tensors lie in another order than described,
-    load (verified) into caches that continue exactly as the original."""
+@pytest.mark.parametrize(("version", "reorder", "seq_major"),
+                         [("2", False, False), ("3", True, False), ("2", True, False), ("3", False, True)])  # fmt: skip
+def test_other_layouts_load_exactly(tmp_path: Path, version: str, reorder: bool, seq_major: bool) -> None:
+    """A 0.2 file (logical layout), a 0.3-0.4 file (sequence-major keys/values, `order`), and a
+    file whose tensors lie in another order than described, load (verified) into caches that
+    continue exactly as the original."""
     cache = grown(2, [*kv_layers(), RecurrentLayer()])
     path = tmp_path / "c.safetensors"
-    _write(path, cache, version, reorder)
+    _write(path, cache, version, reorder, seq_major)
     loaded = load_cache(path)
     assert [layer.meta_state for layer in loaded.layers] == [layer.meta_state for layer in cache.layers]
     gen_a, gen_b = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)

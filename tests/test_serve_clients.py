@@ -164,14 +164,15 @@ def test_the_queue_is_bounded_and_health_counts_the_queued(tmp_path: Path) -> No
     statuses: list[int] = []
     try:
         def ask() -> None:
-            body = {"prompt": "The value of the ", "max_tokens": 400, "temperature": 0}
-            statuses.append(httpx.post(f"{process.url}/v1/completions", json=body, timeout=60).status_code)
+            body = {"prompt": "The value of the ", "max_tokens": 2000, "temperature": 0}
+            statuses.append(httpx.post(f"{process.url}/v1/completions", json=body, timeout=120).status_code)
 
         threads = [threading.Thread(target=ask) for _ in range(2)]
-        for t in threads:
-            t.start()
-            time.sleep(0.3)
         deadline = time.monotonic() + 10
+        threads[0].start()  # the second is sent once the first runs (2,000 tokens: seconds, not ms)
+        while process.health()["running"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        threads[1].start()
         while process.health()["waiting"] != 1 and time.monotonic() < deadline:
             time.sleep(0.02)
         health = process.health()
@@ -179,7 +180,7 @@ def test_the_queue_is_bounded_and_health_counts_the_queued(tmp_path: Path) -> No
         refused = httpx.post(f"{process.url}/v1/completions", json={"prompt": "x"}, timeout=30)
         assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_error"
         for t in threads:
-            t.join(60)
+            t.join(120)
     finally:
         assert process.terminate() == 0
     assert statuses == [200, 200]

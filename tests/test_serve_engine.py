@@ -272,3 +272,100 @@ def test_suffix_drafting_learns_from_finished_requests_and_changes_no_answer(bun
     assert len(corpus) == 16  # every finished request was fed
     first_steps, second_steps = len(rounds[0][1]), len(rounds[1][1])
     assert second_steps < first_steps / 2, (first_steps, second_steps)
+
+
+def test_cold_newcomers_are_prefilled_together_and_store_what_they_computed(bundled) -> None:
+    """Eight cold prompts of 9 to 60 tokens arriving together are prefilled in one forward (left
+    padded to the longest): every answer equals its prompt decoded alone, and every chunk boundary
+    inside each prompt is stored with the keys/values a forward of that prompt alone computes
+    (float64: the batched forward differs in the last bits only), windows included, so the same
+    prompts then hit the store and answer the same."""
+    model, tokenizer = bundled
+    counting = CountingModel(model)
+    store = PrefixStore(chunk_size=16)
+    engine = Engine(counting, store, eos=[], max_step_tokens=512)
+    lengths = (9, 60, 17, 33, 40, 16, 50, 25)
+    prompts = [prompt_ids(tokenizer, i, n) for i, n in enumerate(lengths)]
+    engine.start()
+    try:
+        first = [Request(prompt=p, max_tokens=8, sampling=Sampling(False)) for p in prompts]
+        run_requests(engine, first)
+        again = [Request(prompt=p, max_tokens=8, sampling=Sampling(False)) for p in prompts]
+        run_requests(engine, again)
+    finally:
+        engine.stop()
+    assert (len(lengths), max(lengths)) in counting.fed  # one forward for the burst
+    for prompt, a, b in zip(prompts, first, again, strict=True):
+        want = alone(model, prompt, 8)
+        assert a.tokens == want and b.tokens == want
+        assert a.cached_tokens == 0 and b.cached_tokens == (len(prompt) - 1) // 16 * 16
+    for prompt in prompts:
+        reference = model.new_cache()
+        reference.activate_past_recording()  # keeps every token, windows included
+        model(torch.tensor([prompt]), cache=reference, position_ids=torch.arange(len(prompt))[None])
+        for boundary in range(16, len(prompt) + 1, 16):
+            reused, cache = store.lookup([*prompt[:boundary], 0], counting)  # a token past it: the chunk is reused
+            assert reused == boundary
+            for got, want in zip(cache, reference, strict=True):
+                held = got.state["keys"].shape[2]
+                for name in ("keys", "values"):
+                    expected = want.state[name][:, :, boundary - held : boundary]
+                    torch.testing.assert_close(got.state[name], expected, rtol=0, atol=1e-10)
+
+
+class GroupFailingModel(CountingModel):
+    """The model, except that a forward of several prompts at once fails."""
+
+    def __call__(self, ids, **kwargs):
+        if ids.shape[0] > 1 and ids.shape[1] > 1 and kwargs["cache"].get_seq_length() == 0:
+            raise RuntimeError("a batched prefill failed")
+        return super().__call__(ids, **kwargs)
+
+
+def test_a_failed_group_prefill_falls_back_to_one_prompt_at_a_time(bundled) -> None:
+    """When the forward of newcomers prefilled together fails, each is prefilled alone: every
+    request still gets its own answer, and none sees the group's error."""
+    model, tokenizer = bundled
+    failing = GroupFailingModel(model)
+    engine = Engine(failing, PrefixStore(chunk_size=16), eos=[])
+    prompts = [prompt_ids(tokenizer, i, 12 + 5 * i) for i in range(4)]
+    engine.start()
+    try:
+        requests = [Request(prompt=p, max_tokens=6, sampling=Sampling(False)) for p in prompts]
+        outcomes = run_requests(engine, requests)
+    finally:
+        engine.stop()
+    for prompt, request, outcome in zip(prompts, requests, outcomes, strict=True):
+        assert outcome.events[-1] == ("done", "length")
+        assert request.tokens == alone(model, prompt, 6)
+    assert sum(1 for s in failing.fed if s[0] == 1 and s[1] > 1) == len(prompts)  # each alone
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "quantized"])
+def test_newcomers_whose_rows_padding_would_change_are_prefilled_one_at_a_time(bundled, kind: str) -> None:
+    """A recurrent state would run over a left pad, and a quantized layer's blocks would shift with
+    it: for such models a burst of cold newcomers is never grouped (each prompt gets a forward of
+    its own) and every answer equals its prompt decoded alone."""
+    model, tokenizer = bundled
+    if kind == "hybrid":
+        from kvcache.models import HybridConfig, HybridLM
+
+        torch.manual_seed(0)
+        layer_types = ["linear_attention", "full_attention", "hybrid", "sliding_attention"]
+        model = HybridLM(HybridConfig(vocab_size=512, layer_types=layer_types, sliding_window=8)).double().eval()
+    else:
+        model = load_default_model(dtype=torch.float64)[0]
+        model.kv_bits = 4
+    counting = CountingModel(model)
+    engine = Engine(counting, PrefixStore(chunk_size=16), eos=[])
+    assert not engine.group_prefill
+    prompts = [[t % 500 for t in prompt_ids(tokenizer, i, 9 + 4 * i)] for i in range(4)]
+    engine.start()
+    try:
+        requests = [Request(prompt=p, max_tokens=5, sampling=Sampling(False)) for p in prompts]
+        run_requests(engine, requests)
+    finally:
+        engine.stop()
+    assert not [s for s in counting.fed if s[0] > 1 and s[1] > 1]  # no forward of several prompts
+    for prompt, request in zip(prompts, requests, strict=True):
+        assert request.tokens == alone(model, prompt, 5)

@@ -89,7 +89,7 @@ class DynamicLayer(CacheLayer):
 
     @property
     def batch_size(self) -> int | None:
-        return None if self._kv.keys is None else self._kv.keys.shape[1]
+        return self._kv.batch_size
 
     def _index_batch(self, index: torch.Tensor) -> None:
         self._kv.index_batch(index)

@@ -116,7 +116,7 @@ class QuantizedLayer(CacheLayer):
 
     @property
     def batch_size(self) -> int | None:
-        return None if self._fp.keys is None else self._fp.keys.shape[1]
+        return self._fp.batch_size
 
     # -------------------------------------------------------------------------- update
     def update(

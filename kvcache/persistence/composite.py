@@ -127,8 +127,8 @@ def _describe_layers(cache: Cache, prefix: str, tensors: dict[str, torch.Tensor]
 
 def memory_order(tensor: torch.Tensor) -> list[int] | None:
     """The order of `tensor`'s dims in memory (outermost first) when it is a permutation of a
-    contiguous tensor other than its own order (a sequence-major cache's `[batch, heads, seq, dim]`
-    view); None when it is contiguous as it is, or not a permutation of contiguous memory."""
+    contiguous tensor other than its own order (a `[batch, heads, seq, dim]` view of memory laid
+    out in another order); None when it is contiguous as it is, or not a permutation of contiguous memory."""
     if tensor.is_contiguous():
         return None
     # A size-1 dim's stride is arbitrary (it may tie with a real dim's): such dims go after the real one.

@@ -9,6 +9,7 @@ afterwards changes nothing (a memory map would let it, or kill the process with 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -92,6 +93,26 @@ def _read_exact(file: BinaryIO, buffer: memoryview, digest: FileDigest | None) -
         done += got
 
 
+#: A destination is read block by block when it has at most this many blocks (else: one copy).
+MAX_BLOCKS = 1 << 16
+
+
+def _contiguous_blocks(into: torch.Tensor) -> list[torch.Tensor] | None:
+    """`into` as flat views of its contiguous trailing blocks, in row-major order (one view when it
+    is contiguous: a head-major cache's `[batch, heads, seq, dim]` view inside larger storage is
+    one block per batch row and head), or None when there are too many blocks to read one by one."""
+    if into.numel() == 0:
+        return []
+    if into.is_contiguous():
+        return [into.view(-1)]
+    lead = 0
+    while not into[(0,) * lead].is_contiguous():
+        lead += 1
+    if math.prod(into.shape[:lead]) > MAX_BLOCKS:
+        return None
+    return [into[index].view(-1) for index in itertools.product(*(range(n) for n in into.shape[:lead]))]
+
+
 class FileReader:
     """An open kvcache file, read once, front to back: layout and metadata on opening, then the
     tensors in file order (`take`, `finish`), each into the memory its user chose, with the
@@ -160,11 +181,15 @@ class FileReader:
             _read_exact(self._file, memoryview(raw), None)
             self._stored = bytes(raw)
             return torch.empty(0, dtype=torch.uint8)
-        target = into if into is not None and into.is_contiguous() else None
-        tensor = torch.empty(entry.shape, dtype=TORCH_DTYPES[entry.dtype]) if target is None else target
+        blocks = None if into is None else _contiguous_blocks(into)
+        if blocks is not None:  # straight into the destination, block by block
+            for block in blocks:
+                _read_exact(self._file, memoryview(block.view(torch.uint8).numpy()), self._digest)
+            return into  # type: ignore[return-value]
+        tensor = torch.empty(entry.shape, dtype=TORCH_DTYPES[entry.dtype])
         if tensor.numel():
             _read_exact(self._file, memoryview(tensor.view(-1).view(torch.uint8).numpy()), self._digest)
-        if into is not None and target is None:  # a destination of other strides: one more copy
+        if into is not None:  # a destination of other strides: one more copy
             return into.copy_(tensor)
         return tensor
 

@@ -90,7 +90,7 @@ def _rows(tensor: torch.Tensor) -> Iterator[memoryview]:
         for index in itertools.product(*(range(n) for n in tensor.shape[:lead])):
             yield memoryview(tensor[index].reshape(-1).view(torch.uint8).numpy())
         return
-    # Rows too small to write one by one (a sequence-major cache's [batch, heads, seq, dim] view):
+    # Rows too small to write one by one (many short (batch, head) blocks of a small cache):
     # gather slices of about PACK_BYTES into one reused buffer (no whole-tensor copy, no fresh
     # pages per tensor), each written before the next overwrites it.
     def slice_bytes(dims: int) -> int:

@@ -74,6 +74,8 @@ class Request:
     cache: Cache | None = None
     pending: int | None = None  # the token to feed at the next decode step
     drafter: Drafter | None = None
+    rows: list | None = None  # prefilled with other newcomers: its row of their batch (`rows.stack` takes it)
+    alone: bool = False  # its group's forward failed: prefilled alone from now on
 
     def cancel(self) -> None:
         """Ask the engine to drop this request at its next step (a client that went away)."""
@@ -143,6 +145,7 @@ class Engine:
         if any(not storable(layer, store.chunk_size) for layer in model.new_cache()):
             raise CacheInputError("the served model's cache has static layers, which the prefix store cannot keep")
         self.block_limit = prefill.block_limit(model, store.chunk_size)
+        self.group_prefill = prefill.groupable(model)
         blocks = [block for layer in model.new_cache() if (block := layer.forward_block)]
         #: drafts stop at multiples of this: every chunk boundary, and no quantized block boundary crossed
         self.draft_step = math.gcd(store.chunk_size, *blocks)
@@ -237,11 +240,36 @@ class Engine:
 
     def _prefill_turn(self) -> None:
         """Spend this turn's budget on the waiting prompts, in order of arrival, as many as there
-        are free rows for. The first prompt is fed at least one chunk, so prefills always move."""
+        are free rows for: the cold prompts that fit one forward together first (`prefill.group_of`),
+        then the rest one by one. The first prompt is fed at least one chunk, so prefills always move."""
         budget = self.max_step_tokens - len(self._rows) * (1 + self.speculative)
         slots = self.max_batch - len(self._rows) - len(self._ready)
-        for position, request in enumerate(list(self._prefilling)[: max(slots, 0)]):
-            floor = self.store.chunk_size if position == 0 else 1
+        waiting = []
+        for request in list(self._prefilling)[: max(slots, 0)]:
+            try:
+                if request.session is None:
+                    prefill.start(self, request)
+                waiting.append(request)
+            except Exception as exc:  # this prompt's own failure: it alone ends
+                self._drop_failed(request, exc)
+        group = prefill.group_of(self, waiting, budget)
+        if len(group) > 1:
+            try:
+                outputs = prefill.feed_together(self, group)
+            except Exception:  # the group's forward: each member is prefilled alone instead
+                traceback.print_exc()
+                for request in group:
+                    request.alone, request.session, request.rows = True, None, None
+            else:
+                budget -= len(group) * max(len(r.prompt) for r in group)
+                waiting = [r for r in waiting if r not in group]
+                for request, logits in zip(group, outputs, strict=True):
+                    try:
+                        self._prefilled(request, logits)
+                    except Exception as exc:  # its first token's sampling: it alone ends
+                        self._drop_failed(request, exc)
+        for position, request in enumerate(waiting):
+            floor = self.store.chunk_size if position == 0 and len(group) < 2 else 1
             try:
                 if request.session is None:
                     prefill.start(self, request)
@@ -249,14 +277,17 @@ class Engine:
                 if logits is not None:
                     self._prefilled(request, logits)
             except Exception as exc:  # this prompt's own failure: it alone ends
-                for queue in (self._prefilling, self._ready):
-                    if request in queue:
-                        queue.remove(request)
-                self._fail(request, exc)
+                self._drop_failed(request, exc)
                 continue
             budget -= fed
             if budget <= 0 or fed == 0:
                 break
+
+    def _drop_failed(self, request: Request, exc: Exception) -> None:
+        for queue in (self._prefilling, self._ready):
+            if request in queue:
+                queue.remove(request)
+        self._fail(request, exc)
 
     def _drop_cancelled(self) -> None:
         for request in [r for r in [*self._prefilling, *self._ready] if r.cancelled]:
@@ -295,10 +326,10 @@ class Engine:
     def _join(self) -> None:
         """Stack the ready requests' caches into the running batch (one copy of the batch)."""
         current = batch_rows.rows_of(self._cache, self._pads) if self._cache is not None else []
-        joining = [batch_rows.single(r.cache) for r in self._ready]
+        joining = [r.rows if r.rows is not None else batch_rows.single(r.cache) for r in self._ready]
         self._cache, self._pads = batch_rows.stack(current + joining)
         for request in self._ready:
-            request.cache = None  # its content lives in the batch now
+            request.cache = request.rows = None  # its content lives in the batch now
         self._rows += self._ready
         self._ready = []
 

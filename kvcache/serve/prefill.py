@@ -9,6 +9,12 @@ sliding window records the block, keeping its tokens until they are taken; a rec
 exists only at the block's end, so models with one feed a chunk per block, several newcomers per
 engine turn). Each boundary goes to the
 store (`StoreSession.fed`), its encoding and writing on the store's background writer.
+
+Newcomers whose whole prompt is computed in one block and that found nothing in the store are
+prefilled together (`feed_together`): one forward of their prompts left-padded to the longest, as
+the running batch pads its rows, instead of one forward each. A forward costs far more than its
+tokens on a small batch (a 15-token prompt alone costs about what 32 decode rows do), so a burst
+of newcomers gets its first tokens in one forward's time.
 """
 
 from __future__ import annotations
@@ -17,8 +23,11 @@ from typing import Any
 
 import torch
 
+from ..layers.dynamic import DynamicLayer
+from ..layers.empty import EmptyLayer
 from ..layers.sliding import SlidingWindowLayer
 from ..store.payloads import capture_back, prefill_span
+from . import rows as batch_rows
 
 
 def block_limit(model: Any, chunk: int) -> int:
@@ -63,3 +72,57 @@ def feed(engine: Any, request: Any, budget: int) -> tuple[int, torch.Tensor | No
     for layer in windows:
         layer.record_past = False  # commit: the window evicts what it no longer needs
     return n, (logits[:, -1] if end == len(prompt) else None)
+
+
+def groupable(model: Any) -> bool:
+    """Whether `model`'s prompts may be prefilled together, left-padded: only where padding changes
+    nothing a row keeps. Attention layers mask the pads out; a recurrent state would run over them,
+    and a quantized layer's blocks sit at absolute positions that padding would shift."""
+    return all(type(layer) in (DynamicLayer, SlidingWindowLayer, EmptyLayer) for layer in model.new_cache())
+
+
+def group_of(engine: Any, waiting: list[Any], budget: int) -> list[Any]:
+    """The newcomers of `waiting` (looked up, in order of arrival) to prefill together this turn:
+    those of which nothing was fed yet (the store had nothing, no block went in) and whose whole
+    prompt fits one block of the model's layers, as many as fit `budget` padded to the longest
+    (none for a model that is not `groupable`)."""
+    if not engine.group_prefill:
+        return []
+    group: list[Any] = []
+    width = 0
+    for request in waiting:
+        n = len(request.prompt)
+        if request.alone or request.session.length or n > engine.block_limit:
+            continue
+        if max(width, n) * (len(group) + 1) > budget:
+            break
+        group.append(request)
+        width = max(width, n)
+    return group
+
+
+def feed_together(engine: Any, requests: list[Any]) -> list[torch.Tensor]:
+    """Prefill the prompts of `requests` (a `group_of`) in one forward, left-padded to the
+    longest; store each prompt's chunk boundaries. Each request gets `rows` (its row of the batch,
+    as `rows.stack` takes it) instead of a cache of its own. Returns each one's last logits `[1, vocab]`."""
+    device, prompts = engine.device, [r.prompt for r in requests]
+    width = max(len(p) for p in prompts)
+    pads = [width - len(p) for p in prompts]
+    ids = torch.tensor([[0] * pad + p for pad, p in zip(pads, prompts, strict=True)], dtype=torch.long, device=device)
+    pad_column = torch.tensor(pads, device=device)[:, None]
+    positions = (torch.arange(width, device=device)[None] - pad_column).clamp(min=0)
+    mask = (torch.arange(width, device=device)[None] >= pad_column).long()
+    cache = engine.model.new_cache()
+    windows = [layer for layer in cache if type(layer) is SlidingWindowLayer] if width > engine.store.chunk_size else []
+    for layer in windows:  # keep the block's tokens past the window until its chunks are taken
+        layer.activate_past_recording()
+    logits = engine.model(ids, cache=cache, attention_mask=mask, position_ids=positions)[:, -1]
+    for b, (request, pad) in enumerate(zip(requests, pads, strict=True)):
+        held = len(request.prompt)
+        request.session.fed(held, lambda s, e, b=b, pad=pad, held=held: batch_rows.row_payloads_back(
+            cache, b, pad, s, e, held))  # fmt: skip
+    for layer in windows:
+        layer.record_past = False  # commit: the window evicts what it no longer needs
+    for b, (request, pad) in enumerate(zip(requests, pads, strict=True)):
+        request.cache, request.rows = None, [batch_rows.row_state(layer, b, pad) for layer in cache]
+    return [logits[b : b + 1] for b in range(len(requests))]

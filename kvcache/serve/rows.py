@@ -95,6 +95,31 @@ def row_payloads(cache: Cache, r: int, pad: int, start: int, end: int) -> list[P
     return [_row_payload(layer, r, pad, start, end) for layer in cache]
 
 
+def row_payloads_back(cache: Cache, r: int, pad: int, start: int, end: int, held: int) -> list[Payload]:
+    """`row_payloads` of a chunk `[start, end)` that a prefill forward passed over, row `r` now
+    holding `held >= end` real tokens (`capture_back` for a batch row): full attention keeps every
+    token, and a sliding window that recorded the forward keeps the forward's tokens."""
+    if end == held:
+        return row_payloads(cache, r, pad, start, end)
+    out: list[Payload] = []
+    for layer in cache:
+        if isinstance(layer, EmptyLayer):
+            out.append(capture(layer, start, end))
+            continue
+        held_keys, held_values = layer.state["keys"], layer.state["values"]
+        first = pad + start
+        if type(layer) is SlidingWindowLayer:
+            first -= layer.get_seq_length() - held_keys.shape[2]  # the oldest physical slot it still holds
+            if first < 0 or layer.sliding_window - 1 < end - start:
+                raise ValueError(f"chunk [{start}, {end}) of row {r} is no longer held by the window")
+        elif type(layer) is not DynamicLayer:
+            raise ValueError(f"{type(layer).__name__} keeps no state for a boundary {held - end} token(s) back")
+        keys, values = (t[r : r + 1, :, first : first + end - start].clone() for t in (held_keys, held_values))
+        window = getattr(layer, "sliding_window", None)
+        out.append(Delta(keys, values) if type(layer) is DynamicLayer else WindowDelta(keys, values, window))
+    return out
+
+
 def _row_payload(layer: CacheLayer, r: int, pad: int, start: int, end: int) -> Payload:
     if type(layer) is DynamicLayer:
         held = layer.state
