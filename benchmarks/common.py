@@ -10,11 +10,13 @@ ratios taken from one run hold on a noisy machine.
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import json
 import math
 import statistics
 import textwrap
+import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -86,6 +88,29 @@ class Timing:
             "max": self.high,
             "samples": list(self.samples),
         }
+
+
+_HTTP = threading.local()
+
+
+def http_client() -> Any:
+    """This thread's HTTP client (httpx): one kept-alive connection per simulated user, as SDKs and
+    chat apps keep them. Making a client costs more than a small model's forward (it builds a TLS
+    context even for plain HTTP), so a client made per request would time the client library."""
+    import httpx
+
+    if getattr(_HTTP, "client", None) is None:
+        _HTTP.client = httpx.Client(timeout=600)
+    return _HTTP.client
+
+
+def client_pool(clients: int) -> concurrent.futures.ThreadPoolExecutor:
+    """A pool of `clients` threads (simulated users), each with its `http_client` made already,
+    so a timed load starts with every user ready."""
+    pool = concurrent.futures.ThreadPoolExecutor(clients)
+    ready = threading.Barrier(clients)
+    list(pool.map(lambda _: (http_client(), ready.wait(60)), range(clients)))
+    return pool
 
 
 def ratio(numerator: Timing, denominator: Timing) -> float:

@@ -17,7 +17,6 @@ reported). Skipped without transformers' serving extra (`pip install "transforme
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
 import random
@@ -26,15 +25,14 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 try:
-    from .common import Section, Table, Target, Timing, run_as_script
+    from .common import Section, Table, Target, Timing, client_pool, http_client, run_as_script
 except ImportError:  # run as a script
-    from common import Section, Table, Target, Timing, run_as_script  # type: ignore[no-redef]
+    from common import Section, Table, Target, Timing, client_pool, http_client, run_as_script  # type: ignore[no-redef]
 
 #: (client counts, requests per client, new tokens) per mode
 SIZES = {"smoke": ((1, 8), 1, 16), "quick": ((1, 8, 32), 2, 64), "full": ((1, 8, 32), 4, 64)}
@@ -107,26 +105,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-_CLIENTS = threading.local()
-
-
-def _client() -> Any:
-    """This thread's HTTP client: one kept-alive connection per simulated user, as SDKs keep them
-    (a client made per request costs more than a small model's forward)."""
-    import httpx
-
-    if getattr(_CLIENTS, "client", None) is None:
-        _CLIENTS.client = httpx.Client(timeout=600)
-    return _CLIENTS.client
-
-
 def stream(url: str, model: str, prompt: str, new: int) -> tuple[str, float, int]:
     """A streamed greedy completion: its text, the seconds to its first text, and its tokens (the
     server's usage; else its chunks with text: re-encoding a random model's text undercounts)."""
     body = {"model": model, "prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
+    client = http_client()  # made before the clock starts: a user's client exists before it asks
     start, first, pieces, tokens = time.perf_counter(), None, [], None
-    with _client().stream("POST", f"{url}/v1/completions", json=body) as answer:
+    with client.stream("POST", f"{url}/v1/completions", json=body) as answer:
         answer.raise_for_status()
         for line in answer.iter_lines():
             if not line.startswith("data: {"):
@@ -146,10 +132,10 @@ def stream(url: str, model: str, prompt: str, new: int) -> tuple[str, float, int
 
 def load(url: str, model: str, prompts: list[str], clients: int, new: int) -> dict[str, Any]:
     """`prompts` sent by `clients` concurrent clients: tokens/s, median TTFT, the answers."""
-    start = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+    with client_pool(clients) as pool:  # every user's client made before the clock starts
+        start = time.perf_counter()
         results = list(pool.map(lambda p: stream(url, model, p, new), prompts))
-    seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - start
     return {"tokens_per_s": sum(n for _, _, n in results) / seconds, "ttft": Timing.of([t for _, t, _ in results]),
             "answers": [text for text, _, _ in results]}  # fmt: skip
 
@@ -223,16 +209,15 @@ def chat_turns(mode: str, tmp: Path) -> tuple[Table, list[Target], dict[str, Any
                     tmp / "chat.log")  # fmt: skip
     rng = random.Random(2)
     system = " ".join(rng.choice(WORDS) for _ in range(1000))
-    import httpx
-
     ttfts = []
+    client = http_client()  # one client for the whole chat, made before any clock starts
     try:
         messages = [{"role": "system", "content": system}]
         for turn in range(3):
             messages.append({"role": "user", "content": f"And the {rng.choice(WORDS)} {turn}?"})
             body = {"model": where.name, "messages": messages, "max_tokens": 32, "temperature": 0, "stream": True}
             start, first, text = time.perf_counter(), None, []
-            with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=600) as answer:
+            with client.stream("POST", f"{server.url}/v1/chat/completions", json=body) as answer:
                 for line in answer.iter_lines():
                     if line.startswith("data: {"):
                         delta = (json.loads(line[6:])["choices"] or [{}])[0].get("delta", {}).get("content")
@@ -242,7 +227,7 @@ def chat_turns(mode: str, tmp: Path) -> tuple[Table, list[Target], dict[str, Any
             ttfts.append(first)
             messages.append({"role": "assistant", "content": "".join(text)})
             deadline = time.monotonic() + 10  # let the store's writer finish the turn's chunks
-            while httpx.get(f"{server.url}/health").json()["store_writes_pending"] and time.monotonic() < deadline:
+            while client.get(f"{server.url}/health").json()["store_writes_pending"] and time.monotonic() < deadline:
                 time.sleep(0.01)
     finally:
         server.stop()

@@ -106,7 +106,7 @@ def row_payloads_back(cache: Cache, r: int, pad: int, start: int, end: int, held
         if isinstance(layer, EmptyLayer):
             out.append(capture(layer, start, end))
             continue
-        held_keys, held_values = layer.state["keys"], layer.state["values"]
+        held_keys, held_values = (state := layer.state)["keys"], state["values"]
         first = pad + start
         if type(layer) is SlidingWindowLayer:
             first -= layer.get_seq_length() - held_keys.shape[2]  # the oldest physical slot it still holds

@@ -109,10 +109,10 @@ def capture(layer: CacheLayer, start: int, end: int) -> Payload:
     being `[start, end)`). Copies: the store shares nothing with the cache."""
     n = end - start
     if type(layer) is DynamicLayer:
-        keys, values = layer.state["keys"], layer.state["values"]
+        keys, values = (state := layer.state)["keys"], state["values"]  # one `state`: it builds both views
         return Delta(keys[:, :, start:end].clone(), values[:, :, start:end].clone())
     if type(layer) is SlidingWindowLayer and layer.sliding_window - 1 >= n:
-        keys, values = layer.state["keys"], layer.state["values"]  # holds at least the chunk (W - 1 >= n)
+        keys, values = (state := layer.state)["keys"], state["values"]  # holds at least the chunk (W - 1 >= n)
         return WindowDelta(keys[:, :, -n:].clone(), values[:, :, -n:].clone(), layer.sliding_window)
     if isinstance(layer, QuantizedLayer):
         return capture_quantized(layer, start, end)
@@ -131,10 +131,10 @@ def capture_back(layer: CacheLayer, start: int, end: int, held: int) -> Payload:
     if end == held:
         return capture(layer, start, end)
     if type(layer) is DynamicLayer:
-        keys, values = layer.state["keys"], layer.state["values"]
+        keys, values = (state := layer.state)["keys"], state["values"]
         return Delta(keys[:, :, start:end].clone(), values[:, :, start:end].clone())
     if type(layer) is SlidingWindowLayer and layer.sliding_window - 1 >= end - start:
-        keys, values = layer.state["keys"], layer.state["values"]
+        keys, values = (state := layer.state)["keys"], state["values"]
         first = held - keys.shape[2]  # absolute position of the oldest token held
         if start < first:
             raise ValueError(f"chunk [{start}, {end}) is no longer held by the window (it keeps {first}..{held})")
