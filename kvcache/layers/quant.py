@@ -83,14 +83,15 @@ def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     return out
 
 
-def _unpacked(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """The codes `_pack` packed into `packed` `[..., n * bits // 8]`, as uint8 `[..., n]`."""
+def _unpacked_parts(packed: torch.Tensor, bits: int) -> list[torch.Tensor]:
+    """The codes `_pack` packed into `packed` `[..., m]`, part by part: part i holds codes
+    `[i * m, (i + 1) * m)` of the last dimension, as uint8 `[..., m]` (no concatenation: the
+    dequantizers write each part straight to its place)."""
     per = 8 // bits
     if per == 1:
-        return packed
+        return [packed]
     mask = (1 << bits) - 1
-    parts = [packed & mask, *((packed >> (bits * i)) & mask for i in range(1, per - 1)), packed >> (bits * (per - 1))]
-    return torch.cat(parts, dim=-1)
+    return [packed & mask, *((packed >> (bits * i)) & mask for i in range(1, per - 1)), packed >> (bits * (per - 1))]
 
 
 def _codes(g: torch.Tensor, low: torch.Tensor, high: torch.Tensor, bits: int,
@@ -125,10 +126,11 @@ def dequantize(data: torch.Tensor, params: torch.Tensor, bits: int, group: int, 
     if out is None:
         out = torch.empty(*lead, dim, dtype=dtype, device=data.device)
     scale, zero = params[..., :n, None].to(dtype), params[..., n:, None].to(dtype)
-    codes = _unpacked(data.view(*lead, n, group * bits // 8), bits)
     grouped = out.view(*lead, n, group)
-    torch.mul(codes, scale, out=grouped)  # (faster than one addcmul when scales broadcast along the last dim)
-    grouped.add_(zero)
+    parts = _unpacked_parts(data.view(*lead, n, group * bits // 8), bits)
+    for i, codes in enumerate(parts):
+        torch.mul(codes, scale, out=grouped.narrow(-1, i * codes.shape[-1], codes.shape[-1]))
+    grouped.add_(zero)  # (mul then add: faster than one addcmul when scales broadcast along the last dim)
     return out
 
 
@@ -156,6 +158,8 @@ def dequantize_channels(data: torch.Tensor, params: torch.Tensor, bits: int, blo
         out = torch.empty(*lead, tokens, dim, dtype=dtype, device=data.device)
     flat = params.reshape(*lead, blocks, -1)
     scale, zero = flat[..., None, :dim].to(dtype), flat[..., None, dim : 2 * dim].to(dtype)
-    codes = _unpacked(data.view(*lead, blocks, block, width), bits)
-    torch.addcmul(zero, codes, scale, out=out.view(*lead, blocks, block, dim))  # one pass: zero + code * scale
+    blocked = out.view(*lead, blocks, block, dim)
+    for i, codes in enumerate(_unpacked_parts(data.view(*lead, blocks, block, width), bits)):
+        part = slice(i * width, (i + 1) * width)  # one pass per part: zero + code * scale
+        torch.addcmul(zero[..., part], codes, scale[..., part], out=blocked[..., part])
     return out
