@@ -369,3 +369,40 @@ def test_newcomers_whose_rows_padding_would_change_are_prefilled_one_at_a_time(b
     assert not [s for s in counting.fed if s[0] > 1 and s[1] > 1]  # no forward of several prompts
     for prompt, request in zip(prompts, requests, strict=True):
         assert request.tokens == alone(model, prompt, 5)
+
+
+class WriterWatchingModel(CountingModel):
+    """The model, noting for each forward whether the store's writer may run inserts meanwhile."""
+
+    def __init__(self, model, store) -> None:
+        super().__init__(model)
+        self.store, self.writer_running = store, []
+
+    def __call__(self, ids, **kwargs):
+        self.writer_running.append((ids.shape[1], self.store.writer._running.is_set()))
+        return super().__call__(ids, **kwargs)
+
+
+def test_the_writer_is_paused_while_prompts_prefill_and_runs_during_decode(bundled, tmp_path) -> None:
+    """Prefill forwards run with the store's writer paused (a cold prompt's first token does not
+    pay for encoding its chunks); decode steps never pause it; every chunk is still written."""
+    model, tokenizer = bundled
+    store = open_store(str(tmp_path / "store"), chunk_size=16)
+    watching = WriterWatchingModel(model, store)
+    engine = Engine(watching, store, eos=[])
+    engine.start()
+    prompt = prompt_ids(tokenizer, 7, 120)
+    try:
+        request = Request(prompt=prompt, max_tokens=20, sampling=Sampling(False))
+        run_requests(engine, [request])
+        store.writer.flush(30)
+        again = Request(prompt=prompt, max_tokens=20, sampling=Sampling(False))
+        run_requests(engine, [again])
+    finally:
+        engine.stop()
+    prefills = [running for width, running in watching.writer_running if width > 1]
+    decodes = [running for width, running in watching.writer_running if width == 1]
+    assert prefills and not any(prefills)
+    assert decodes and all(decodes)
+    assert again.cached_tokens == (len(prompt) - 1) // 16 * 16  # every prompt chunk was stored
+    assert request.tokens == again.tokens == alone(model, prompt, 20)

@@ -231,7 +231,12 @@ class Engine:
 
     def _turn(self) -> None:
         self._drop_cancelled()
-        self._prefill_turn()
+        writer = self.store.writer
+        if self._prefilling and writer is not None:
+            with writer.paused():  # a prefill's forwards do not share the interpreter with encoding
+                self._prefill_turn()
+        else:
+            self._prefill_turn()
         if self._ready:
             self._join()
         if self._rows:
