@@ -64,6 +64,17 @@ def run_requests(engine: Engine, requests: list[Request], timeout: float = 120) 
     return outcomes
 
 
+def serve_greedy(engine: Engine, prompts: list[list[int]], n: int) -> tuple[list[Request], list[Outcome]]:
+    """Start `engine`, have it answer greedy requests of `n` tokens for `prompts` (sent together),
+    stop it: the requests and their outcomes."""
+    engine.start()
+    try:
+        requests = [Request(prompt=p, max_tokens=n, sampling=Sampling(False)) for p in prompts]
+        return requests, run_requests(engine, requests)
+    finally:
+        engine.stop()
+
+
 class CountingModel:
     """The model, counting the tokens each forward feeds (the engine's budget is checked with it)."""
 
@@ -87,13 +98,8 @@ def test_answers_equal_each_prompt_alone_under_every_budget(bundled, budget: int
     counting = CountingModel(model)
     store = PrefixStore(chunk_size=16)
     engine = Engine(counting, store, eos=[], max_step_tokens=budget)
-    engine.start()
-    try:
-        prompts = [prompt_ids(tokenizer, i, n) for i, n in enumerate((10, 47, 300, 129, 64))]
-        requests = [Request(prompt=p, max_tokens=12, sampling=Sampling(False)) for p in prompts]
-        outcomes = run_requests(engine, requests)
-    finally:
-        engine.stop()
+    prompts = [prompt_ids(tokenizer, i, n) for i, n in enumerate((10, 47, 300, 129, 64))]
+    requests, outcomes = serve_greedy(engine, prompts, 12)
     for prompt, request, outcome in zip(prompts, requests, outcomes, strict=True):
         assert outcome.events[-1] == ("done", "length")
         assert request.tokens == alone(model, prompt, 12)
@@ -160,12 +166,27 @@ def test_one_requests_failure_never_reaches_another(bundled) -> None:
     assert engine.active == {"waiting": 0, "prefilling": 0, "running": 0, "batch_cache": 0}
 
 
+class WriterWatchingModel(CountingModel):
+    """The model, noting for each forward whether the store's writer may run inserts meanwhile."""
+
+    def __init__(self, model, store) -> None:
+        super().__init__(model)
+        self.store, self.writer_running = store, []
+
+    def __call__(self, ids, **kwargs):
+        self.writer_running.append((ids.shape[1], self.store.writer._running.is_set()))
+        return super().__call__(ids, **kwargs)
+
+
 def test_a_directory_store_writes_on_its_background_writer(bundled, tmp_path) -> None:
     """With a directory store the engine's inserts go through the store's writer: a cold prompt's
-    chunks are all written once the writer is flushed, and the same prompt then hits them."""
+    chunks are all written once the writer is flushed, and the same prompt then hits them. The
+    writer is paused while prompts prefill (a cold prompt's first token does not pay for encoding
+    its chunks) and never during decode steps."""
     model, tokenizer = bundled
     store = open_store(str(tmp_path / "store"), chunk_size=16)
-    engine = Engine(model, store, eos=[])
+    watching = WriterWatchingModel(model, store)
+    engine = Engine(watching, store, eos=[])
     engine.start()
     prompt = prompt_ids(tokenizer, 5, 150)
     try:
@@ -179,6 +200,10 @@ def test_a_directory_store_writes_on_its_background_writer(bundled, tmp_path) ->
         engine.stop()
     assert store.writer is None  # stopped with the engine, its queue finished
     assert first.cached_tokens == 0 and second.cached_tokens == 144
+    prefills = [running for width, running in watching.writer_running if width > 1]
+    decodes = [running for width, running in watching.writer_running if width == 1]
+    assert prefills and not any(prefills)
+    assert decodes and all(decodes)
     assert first.tokens == second.tokens == alone(model, prompt, 3)
 
 
@@ -329,12 +354,7 @@ def test_a_failed_group_prefill_falls_back_to_one_prompt_at_a_time(bundled) -> N
     failing = GroupFailingModel(model)
     engine = Engine(failing, PrefixStore(chunk_size=16), eos=[])
     prompts = [prompt_ids(tokenizer, i, 12 + 5 * i) for i in range(4)]
-    engine.start()
-    try:
-        requests = [Request(prompt=p, max_tokens=6, sampling=Sampling(False)) for p in prompts]
-        outcomes = run_requests(engine, requests)
-    finally:
-        engine.stop()
+    requests, outcomes = serve_greedy(engine, prompts, 6)
     for prompt, request, outcome in zip(prompts, requests, outcomes, strict=True):
         assert outcome.events[-1] == ("done", "length")
         assert request.tokens == alone(model, prompt, 6)
@@ -360,49 +380,7 @@ def test_newcomers_whose_rows_padding_would_change_are_prefilled_one_at_a_time(b
     engine = Engine(counting, PrefixStore(chunk_size=16), eos=[])
     assert not engine.group_prefill
     prompts = [[t % 500 for t in prompt_ids(tokenizer, i, 9 + 4 * i)] for i in range(4)]
-    engine.start()
-    try:
-        requests = [Request(prompt=p, max_tokens=5, sampling=Sampling(False)) for p in prompts]
-        run_requests(engine, requests)
-    finally:
-        engine.stop()
+    requests, _ = serve_greedy(engine, prompts, 5)
     assert not [s for s in counting.fed if s[0] > 1 and s[1] > 1]  # no forward of several prompts
     for prompt, request in zip(prompts, requests, strict=True):
         assert request.tokens == alone(model, prompt, 5)
-
-
-class WriterWatchingModel(CountingModel):
-    """The model, noting for each forward whether the store's writer may run inserts meanwhile."""
-
-    def __init__(self, model, store) -> None:
-        super().__init__(model)
-        self.store, self.writer_running = store, []
-
-    def __call__(self, ids, **kwargs):
-        self.writer_running.append((ids.shape[1], self.store.writer._running.is_set()))
-        return super().__call__(ids, **kwargs)
-
-
-def test_the_writer_is_paused_while_prompts_prefill_and_runs_during_decode(bundled, tmp_path) -> None:
-    """Prefill forwards run with the store's writer paused (a cold prompt's first token does not
-    pay for encoding its chunks); decode steps never pause it; every chunk is still written."""
-    model, tokenizer = bundled
-    store = open_store(str(tmp_path / "store"), chunk_size=16)
-    watching = WriterWatchingModel(model, store)
-    engine = Engine(watching, store, eos=[])
-    engine.start()
-    prompt = prompt_ids(tokenizer, 7, 120)
-    try:
-        request = Request(prompt=prompt, max_tokens=20, sampling=Sampling(False))
-        run_requests(engine, [request])
-        store.writer.flush(30)
-        again = Request(prompt=prompt, max_tokens=20, sampling=Sampling(False))
-        run_requests(engine, [again])
-    finally:
-        engine.stop()
-    prefills = [running for width, running in watching.writer_running if width > 1]
-    decodes = [running for width, running in watching.writer_running if width == 1]
-    assert prefills and not any(prefills)
-    assert decodes and all(decodes)
-    assert again.cached_tokens == (len(prompt) - 1) // 16 * 16  # every prompt chunk was stored
-    assert request.tokens == again.tokens == alone(model, prompt, 20)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_serve_engine import alone, prompt_ids, run_requests
+from test_serve_engine import alone, prompt_ids, run_requests, serve_greedy
 
 from kvcache.generation.sampling import Sampling
 from kvcache.layers.quantized import QuantizedLayer
@@ -105,12 +105,7 @@ def test_transformers_models_are_served_quantized_as_alone(kind: str) -> None:
     prompts = [p + p[:20] for p in prompts]  # some repetition: drafts get accepted
     speculative = 0 if kind == "falcon_h1" else 3  # Falcon-H1's Mamba states are not kept token by token
     engine = Engine(model, PrefixStore(chunk_size=16), eos=[], speculative=speculative)
-    engine.start()
-    try:
-        requests = [Request(prompt=p, max_tokens=24, sampling=Sampling(False)) for p in prompts]
-        run_requests(engine, requests)
-    finally:
-        engine.stop()
+    requests, _ = serve_greedy(engine, prompts, 24)
     for prompt, request in zip(prompts, requests, strict=True):
         ids = torch.tensor([prompt])
         assert request.tokens == generate(model, ids, max_new_tokens=24).sequences[0, len(prompt) :].tolist()
