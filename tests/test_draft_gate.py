@@ -12,7 +12,8 @@ from collections.abc import Callable
 
 import pytest
 
-from kvcache.generation.draft_schedule import DraftAudit, DraftGate, ForwardCost
+from kvcache.generation.draft_schedule import DraftAudit, DraftGate
+from kvcache.generation.forward_cost import ForwardCost
 
 
 def drive(gate: DraftGate, steps: int, per_token: float, rate: float, seed: int = 0,
@@ -84,6 +85,58 @@ def test_drafts_that_turn_good_are_taken_up_again() -> None:
     assert chosen[-1] == 4 and chosen.index(1) < 30 and sum(k > 0 for k in chosen) > 70
 
 
+def test_drafts_are_judged_by_the_match_they_continue() -> None:
+    """A drafter whose long matches (8 tokens: text seen before) are right 95% of the time and whose
+    short ones (2 tokens: common words) 10%, one long to three short: overall (about 57% of judged
+    tokens) every draft would seem to pay on this cheap target, yet the short ones lose. Judged
+    apart, the long matches draft (nearly) every time and the short ones (nearly) never."""
+    gate, coins = DraftGate(4), random.Random(4)
+    chosen: dict[int, list[int]] = {2: [], 8: []}
+    for step in range(400):
+        match = 8 if step % 4 == 0 else 2
+        k = gate.budget(4, match=match)
+        chosen[match].append(k)
+        asked = k or 1  # a shadow at every plain step: a cheap drafter
+        accepted = 0
+        while accepted < asked and coins.random() < (0.95 if match == 8 else 0.1):
+            accepted += 1
+        gate.record(1 + k, 1 + 0.1 * k, asked, accepted, 0.0, shadow=not k, match=match)
+    assert gate.acceptance > 0.4 and gate.acceptance_at(8) > 0.85 and gate.acceptance_at(2) < 0.3
+    assert gate.best_acceptance == gate.acceptance_at(8)
+    long, short = chosen[8][10:], chosen[2][30:]
+    assert sum(k > 0 for k in long) >= 0.9 * len(long) and sum(k > 0 for k in short) <= 0.05 * len(short)
+    assert gate.acceptance_at(5) == gate.acceptance  # a match length never judged: the overall acceptance
+
+
+def test_a_batch_feeds_the_width_its_rows_matches_pay_for() -> None:
+    """Eight rows offering drafts of 6 tokens, on long matches (8 tokens, right 95% of the time)
+    or short ones (2 tokens, 10%); a forward feeding k draft tokens per row costs 1 + 0.15 k plain
+    steps. With four rows on long matches the batch drafts, growing to the whole 6; with none, it
+    takes plain steps, the rows' first offered tokens judged as shadows (a short match's drafts
+    would emit 0.11 tokens more per row for 15% more time)."""
+    gate, coins = DraftGate(6), random.Random(5)
+
+    def step(matches: list[int]) -> int:
+        k = gate.batch_width([(6, m) for m in matches], 6)
+        judged, emitted = [], 0
+        for m in matches:
+            n, right = k or 1, 0  # a plain step judges the first offered token
+            while right < n and coins.random() < (0.95 if m == 8 else 0.1):
+                right += 1
+            judged.append((n, right, m))
+            emitted += 1 + (right if k else 0)
+        gate.record_batch(k, 1 + 0.15 * k, judged, emitted, 0.0, 6 * len(matches))
+        return k
+
+    warm = [step([2] * 8) for _ in range(10)]
+    mixed = [step([8] * 4 + [2] * 4) for _ in range(60)]
+    short = [step([2] * 8) for _ in range(40)]
+    assert sum(k > 0 for k in warm) <= 2 and gate.acceptance_at(8) > 0.85 and gate.acceptance_at(2) < 0.3
+    assert max(mixed) == 6 and sum(k > 0 for k in mixed[10:]) >= 0.9 * len(mixed[10:])
+    assert sum(k > 0 for k in short[5:]) <= 2
+    assert gate.batch_width([(0, 0)] * 8, 6) == 0  # nothing offered: nothing fed
+
+
 def test_a_refeeding_target_is_charged_for_rejections() -> None:
     """Where a target re-feeds the kept tokens of a rejected step, middling drafts pay less: the
     same costs and acceptance draft less once the gate has seen a re-feed."""
@@ -110,7 +163,10 @@ def test_forward_cost_estimates() -> None:
     cost.add(1, 2.0)  # after a plain step: settled
     assert cost.anchored and not cost.leaving and cost.ratio(5) == 1.0  # one length: optimistic
     cost.add(5, 4.0)
-    assert cost.ratio(5) == 2.0 and cost.ratio(3) == 1.5 and cost.ratio(9) == 3.0  # between, beyond
+    # between a plain step and it: on the line; beyond the only drafting length: its ratio (an
+    # optimistic guess, tried and measured, where the line would charge the cost every drafting
+    # forward pays once to every token)
+    assert cost.ratio(5) == 2.0 and cost.ratio(3) == 1.5 and cost.ratio(9) == 2.0
     cost.add(1, 2.4)  # leaving drafting cost a fifth of a plain step more: charged to that forward
     assert cost.leaving and cost.ratio(5) == pytest.approx(2.2)
     cost.add(1, 2.0)

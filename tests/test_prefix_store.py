@@ -105,6 +105,59 @@ def test_models_never_exchange_entries() -> None:
     assert PrefixStore(chunk_size=CHUNK, namespace="fine-tune").lookup(tokens, a)[0] == 0
 
 
+def test_chunk_keys_chain_each_chunks_int64_tokens_onto_the_previous_key() -> None:
+    """A chunk's key is xxh3-128 of the previous key (the model's root for the first) and its
+    tokens as little-endian int64: what servers on other machines and earlier versions compute,
+    so they share entries. Keys extended as a request grows equal keys computed at once."""
+    import struct
+
+    import xxhash
+
+    model = reference("full")
+    store = PrefixStore(chunk_size=CHUNK)
+    tokens = [random.Random(2).randrange(256) for _ in range(45)]
+    session = store.session(model)
+    expected, parent = [], session.root
+    for start in range(0, len(tokens) - CHUNK + 1, CHUNK):
+        parent = xxhash.xxh3_128_digest(parent + struct.pack(f"<{CHUNK}q", *tokens[start : start + CHUNK]))
+        expected.append(parent)
+    assert store.chunk_keys(model, tokens) == expected and len(expected) == 5
+    session.tokens = tokens[:19]
+    session.extend_keys()
+    session.tokens = tokens
+    session.extend_keys()
+    assert session.keys == expected
+
+
+def test_a_memory_entry_is_checked_against_the_model_once(monkeypatch) -> None:
+    """The memory backend hands the same entries to every lookup: a hit checks each one against
+    the model the first time (its payloads, per layer) and not again at the same depth of the same
+    model, with the same cache rebuilt; an entry met anywhere else (another root or depth) is
+    checked again, and one that fails is dropped."""
+    from kvcache.store import session as session_module
+
+    model = reference("hybrid")
+    store = PrefixStore(chunk_size=CHUNK)
+    tokens = list(range(1, 30))
+    store.prefill(model, tokens)
+    calls = []
+    real = session_module.check_payload
+    monkeypatch.setattr(session_module, "check_payload", lambda *a: calls.append(a[2]) or real(*a))
+    first = store.lookup(tokens, model)
+    layers = len(model.new_cache().layers)
+    assert first[0] == 24 and sorted(set(calls)) == [1, 2, 3] and len(calls) == 3 * layers
+    again = store.lookup(tokens, model)
+    assert len(calls) == 3 * layers and again[0] == 24  # nothing checked twice
+    assert_same_layers(again[1], first[1])
+    entries = store.backend.entries()
+    moved = next(e for e in entries.values() if e.parent is None)
+    moved.checked = (b"another model", 0)
+    assert store.lookup(tokens, model)[0] == 24 and len(calls) == 4 * layers  # the first chunk checked again
+    moved.checked, moved.payloads = None, moved.payloads[:-1]  # damaged since: found and dropped
+    with pytest.warns(UserWarning, match="does not fit the model"):
+        assert store.lookup(tokens, model)[0] == 0
+
+
 def _tensor_bytes(store: PrefixStore) -> int:
     """Bytes of the distinct tensors the store holds, measured from the tensors themselves."""
     seen, total = set(), 0

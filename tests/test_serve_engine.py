@@ -259,7 +259,7 @@ def test_a_draft_model_gives_each_prompt_its_own_answer(bundled, draft: str) -> 
         assert len(steps) < 12, steps
 
 
-def test_a_draft_model_of_another_vocabulary_is_refused(bundled) -> None:
+def test_a_draft_model_of_another_vocabulary_or_an_unknown_schedule_is_refused(bundled) -> None:
     from kvcache.models import DecoderConfig, DecoderLM
 
     model, _ = bundled
@@ -268,6 +268,8 @@ def test_a_draft_model_of_another_vocabulary_is_refused(bundled) -> None:
         Engine(model, PrefixStore(chunk_size=16), eos=[], speculative=3, draft_model=other)
     with pytest.raises(CacheInputError, match="speculative"):
         Engine(model, PrefixStore(chunk_size=16), eos=[], draft_model=model)
+    with pytest.raises(CacheInputError, match="draft_schedule must be"):
+        Engine(model, PrefixStore(chunk_size=16), eos=[], speculative=3, draft_schedule="acceptance")
 
 
 def test_suffix_drafting_learns_from_finished_requests_and_changes_no_answer(bundled) -> None:
@@ -279,7 +281,8 @@ def test_suffix_drafting_learns_from_finished_requests_and_changes_no_answer(bun
     model, tokenizer = bundled
     corpus = SuffixCorpus()
     counting = CountingModel(model)
-    engine = Engine(counting, PrefixStore(chunk_size=16), eos=[], speculative=8, suffix_corpus=corpus)
+    engine = Engine(counting, PrefixStore(chunk_size=16), eos=[], speculative=8, suffix_corpus=corpus,
+                    draft_schedule="constant")  # every draft fed: the count of steps does not hang on timing
     prompts = [prompt_ids(tokenizer, i, n) for i, n in enumerate((10, 47, 90, 33, 64, 21, 55, 17))]
     engine.start()
     try:

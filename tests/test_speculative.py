@@ -368,8 +368,10 @@ def test_prompt_lookup_proposals():
     # "7 8 9" occurred twice before: the earliest occurrence's continuation is proposed.
     assert _propose(drafter, [7, 8, 9, 1, 2, 3, 7, 8, 9, 4, 7, 8, 9], 3) == [1, 2, 3]
     assert _propose(drafter, [7, 8, 9, 1, 2, 3, 7, 8, 9], 8) == [1, 2, 3, 7, 8, 9]  # runs into the suffix itself
-    # No 3-gram or 2-gram match: falls back to the 1-gram "5".
+    # No 3-gram or 2-gram match: falls back to the 1-gram "5". A draft says the n-gram it matched.
     assert _propose(drafter, [5, 6, 1, 2, 5], 2) == [6, 1]
+    assert drafter.propose([5, 6, 1, 2, 5], 2, lambda logits: (0, None)).match == 1
+    assert drafter.propose([7, 8, 9, 1, 7, 8, 9], 2, lambda logits: (0, None)).match == 3
     assert _propose(drafter, [1, 2, 3, 4], 4) == []  # no match at all
     assert _propose(drafter, [4], 4) == []
     assert _propose(PromptLookupDrafter(3, 2), [5, 6, 1, 2, 5], 2) == []  # 1-grams not allowed

@@ -145,11 +145,12 @@ def test_proposals_follow_the_most_frequent_continuation() -> None:
 
 
 def _naive_draft(fed: list[list[int]], sequence: list[int], k: int, depth: int, min_match: int,
-                 min_share: float, per_match: float = 1e9) -> list[int]:
+                 min_share: float, per_match: float = 1e9) -> tuple[list[int], int]:
     """The drafting rule recomputed from the raw token lists: for each drafted token, scan every
     context length from the longest down, count what followed it in the fed sequences and in the
-    sequence itself (its last occurrence, which nothing follows yet, excluded)."""
-    seq, out = list(sequence), []
+    sequence itself (its last occurrence, which nothing follows yet, excluded). With the draft, the
+    length of the match its first token continued (0: no draft)."""
+    seq, out, match = list(sequence), [], 0
     while len(out) < k:
         context, choice = seq[-depth:], None
         for n in range(len(context), min_match - 1, -1):
@@ -162,13 +163,13 @@ def _naive_draft(fed: list[list[int]], sequence: list[int], k: int, depth: int, 
                 token, count = max(counts.items(), key=lambda item: (item[1], -item[0]))
                 choice = token if count >= min_share * sum(counts.values()) else None
                 if not out:
-                    k = min(k, max(1, int(per_match * n)))
+                    k, match = (k if n >= depth else min(k, max(1, int(per_match * n)))), n
                 break
         if choice is None:
             break
         out.append(choice)
         seq.append(choice)
-    return out
+    return out, match if out else 0
 
 
 def test_proposals_equal_a_naive_scan_of_the_fed_sequences() -> None:
@@ -187,8 +188,8 @@ def test_proposals_equal_a_naive_scan_of_the_fed_sequences() -> None:
         sequence = [rng.randrange(alphabet) for _ in range(rng.randrange(1, 20))]
         drafter.start(sequence, device=torch.device("cpu"))
         k = rng.randrange(1, 12)
-        got = drafter.propose(sequence, k, lambda logits: (0, None)).tokens
-        assert got == _naive_draft(fed, sequence, k, depth, min_match, min_share, per_match), trial
+        got = drafter.propose(sequence, k, lambda logits: (0, None))
+        assert (got.tokens, got.match) == _naive_draft(fed, sequence, k, depth, min_match, min_share, per_match), trial
 
 
 def test_bad_parameters_are_package_errors() -> None:

@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import bisect
 import math
-from collections import deque
 
-
-def _median(values: deque[float]) -> float:
-    """The median of a few readings (once per decoding step: `statistics.median` costs more)."""
-    ordered, half = sorted(values), len(values) // 2
-    return ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
+from .forward_cost import ForwardCost
 
 
 class DraftLength:
@@ -23,135 +17,6 @@ class DraftLength:
         if self.adaptive and proposed:
             step = 2 if accepted == proposed else -1
             self.current = max(1, min(self.maximum, self.current + step))
-
-
-class ForwardCost:
-    """Seconds of a target forward by the number of tokens it feeds, as the machine's current
-    speed times the forward's cost ratio to a one-token forward (a plain step).
-
-    A shared machine's speed drifts by tens of percent within a second, and a context grows:
-    seconds measured a few hundred steps apart do not compare. So every forward, read against the
-    ratio of its length, says how fast the machine is now (`speed`, the median of the last few
-    readings): a run that drafts at every step blames a slowdown on the machine, not on drafting,
-    and speed cancels out of the gate's choices. A ratio itself is sampled only against plain
-    steps: a forward run within `ANCHOR` forwards of one gives its seconds over the median of the
-    last few "settled" plain steps' (its length's ratio: the median of its last few samples, never
-    below a plain step's 1: more tokens never cost less). A settled plain step is one that follows
-    another: the first of a run is a warm-up, and one right after drafting also pays for leaving it
-    (measured on the benchmark's targets: 1.1x-1.3x and 1.1x-1.2x a settled one), so its excess is
-    charged to the drafting forward before it; until a settled one is in, the others serve (a
-    reference too slow, but far better than none). Measured against a speed that drafting forwards
-    had a say in, an underestimated ratio would confirm itself: it inflates the speed those
-    forwards report, which makes the next sample as low (seen: two-token forwards priced at 0.8 of
-    one-token ones for a whole run, drafting at 3% acceptance). The gate re-anchors a close call
-    with two plain steps now and then (`DraftGate.REFRESH`). Once no ratio has been sampled for a
-    while (no drafting), all are forgotten, so lengths measured as dear at a bad moment get tried
-    again: after `QUIET` anchored forwards, then twice as many each time, up to `STALE`. A length
-    is priced at the most that it or any shorter length measured (more tokens never cost less, so a
-    low sample cannot make a long draft look cheaper than a short one); lengths without a ratio get
-    one on a straight line through the nearest that have one (a plain step's is 1), or, while none
-    has one, 1: an optimistic guess, so an unmeasured length gets tried once rather than never."""
-
-    RECENT, ANCHOR, QUIET, STALE = 7, 4, 8, 64
-    SETTLED = 3  # settled plain steps a ratio sample is read against (few: the machine drifts)
-
-    def __init__(self) -> None:
-        self.clock = 0  # anchored forwards measured so far
-        self._since_plain = self.ANCHOR + 1  # forwards since the last plain step
-        self._previous = 0  # tokens of the last forward (0: none yet)
-        self._sampled = False  # whether the last forward gave a ratio sample
-        self._left = False  # whether the last forward was a plain step that is not settled
-        self._speed: deque[float] = deque(maxlen=self.RECENT)  # the last readings of a plain step's seconds
-        self._settled: deque[float] = deque(maxlen=self.SETTLED)  # the last settled plain steps' seconds
-        self._unsettled: deque[float] = deque(maxlen=self.SETTLED)  # the others': until a settled one is in
-        self.speed: float | None = None  # their median
-        self._ratios: dict[int, deque[float]] = {}  # tokens fed -> its last ratios to a plain step
-        self._ratio: dict[int, float] = {1: 1.0}  # tokens fed -> its ratio, as measured
-        self._envelope: dict[int, float] = {1: 1.0}  # tokens fed -> the most a length up to it measured
-        self._counts: list[int] = [1]  # the lengths with a ratio, ascending
-        self._sampled_at = 0  # the clock at the last ratio sample
-        self._quiet = self.QUIET  # anchored forwards without a ratio sample before all are forgotten
-        self.forgotten = 0  # how often they were
-
-    def add(self, tokens: int, seconds: float) -> None:
-        previous, self._previous = self._previous, tokens
-        sampled, self._sampled = self._sampled, False
-        self._left = tokens == 1 and previous != 1
-        if tokens == 1:
-            self._since_plain = 0
-            if previous == 1:
-                self._settled.append(seconds)
-            else:
-                self._unsettled.append(seconds)
-                if sampled and self._settled:  # leaving drafting cost this much more: charged to the forward before
-                    samples = self._ratios[previous]
-                    samples[-1] += max(seconds / _median(self._settled) - 1.0, 0.0)
-                    self._set_ratio(previous, _median(samples))
-        else:
-            self._since_plain += 1
-        if self._since_plain <= self.ANCHOR and self.speed:
-            self.clock += 1
-            if tokens != 1:
-                samples = self._ratios.setdefault(tokens, deque(maxlen=self.RECENT))
-                samples.append(max(seconds / _median(self._settled or self._unsettled), 1.0))
-                self._set_ratio(tokens, _median(samples))
-                self._sampled_at, self._sampled = self.clock, True
-            elif tokens == 1 and self.clock - self._sampled_at > self._quiet and len(self._ratio) > 1:
-                self._ratios.clear()
-                self._ratio, self._envelope, self._counts = {1: 1.0}, {1: 1.0}, [1]
-                self.forgotten += 1
-                self._sampled_at, self._quiet = self.clock, min(2 * self._quiet, self.STALE)
-        if tokens == 1 or self.speed:  # a longer forward first needs a plain step to compare with
-            self._speed.append(seconds / self.ratio(tokens))
-            self.speed = _median(self._speed)
-
-    def _set_ratio(self, tokens: int, ratio: float) -> None:
-        """A length's measured ratio; every length is then priced at the most that it or a shorter
-        one measured (more tokens never cost less: a low sample must not make a longer draft look
-        cheaper than a shorter one)."""
-        self._ratio[tokens] = ratio
-        self._counts = sorted(self._ratio)
-        highest = 0.0
-        for count in self._counts:
-            highest = self._envelope[count] = max(highest, self._ratio[count])
-
-    @property
-    def reference(self) -> float | None:
-        """Seconds of a settled plain step, the median of the last few (None before one)."""
-        return _median(self._settled) if self._settled else None
-
-    @property
-    def anchored(self) -> bool:
-        """Whether a settled plain step has been measured (ratios can be sampled)."""
-        return bool(self._settled)
-
-    @property
-    def leaving(self) -> bool:
-        """Whether the last forward was a plain step that is not settled (a run's first, or one
-        right after drafting): the next plain step would be."""
-        return self._left
-
-    @property
-    def since_plain(self) -> int:
-        """Forwards measured since the last plain step."""
-        return self._since_plain
-
-    def __call__(self, tokens: int) -> float | None:
-        """Estimated seconds of a forward of `tokens` tokens; None before a plain step is measured."""
-        return None if self.speed is None else self.speed * self.ratio(tokens)
-
-    def ratio(self, tokens: int) -> float:
-        """A forward of `tokens` tokens' cost over a plain step's."""
-        known = self._envelope.get(tokens)
-        if known is not None:
-            return known
-        counts = self._counts
-        if len(counts) < 2:
-            return 1.0
-        at = bisect.bisect(counts, tokens)  # the nearest on each side, else the two nearest on one
-        lo, hi = counts[min(max(at - 1, 0), len(counts) - 2)], counts[min(max(at, 1), len(counts) - 1)]
-        low, high = self._envelope[lo], self._envelope[hi]
-        return max(low + (high - low) / (hi - lo) * (tokens - lo), 1.0)
 
 
 class DraftAudit:
@@ -248,6 +113,9 @@ class DraftGate:
     #: interrupted by a plain step every `ForwardCost.QUIET` steps, so the ratios it relies on are
     #: sampled against a plain step again (a bigger win drafts on: it does not hinge on them).
     REFRESH = 1.3
+    #: A match length's own acceptance (for drafters that say which match a draft continues) starts
+    #: from the overall one, weighing this many judged tokens.
+    MATCH_PRIOR_WEIGHT = 2.0
 
     def __init__(self, maximum: int) -> None:
         self.maximum = maximum
@@ -263,21 +131,42 @@ class DraftGate:
         self.ramp = 1
         self._forgotten = 0  # the cost model's count of forgotten prices, as last seen
         self.audit = DraftAudit()
+        self._by_match: dict[int, list[float]] = {}  # match length -> decayed [accepted, judged]
 
     @property
     def acceptance(self) -> float:
         return self.accepted / self.judged
 
+    def acceptance_at(self, match: int) -> float:
+        """The acceptance of drafts that continue a match of `match` tokens (0: of any draft).
+
+        A suffix or n-gram drafter's long match (text seen before, followed by one token every
+        time) is right far more often than a short one (common words): judged apart, a repeat is
+        drafted at once in a run whose drafts mostly fail, and a run of repeats does not make the
+        gate draft from short matches."""
+        held = self._by_match.get(match) if match else None
+        if held is None:
+            return self.acceptance
+        weight = self.MATCH_PRIOR_WEIGHT
+        return (held[0] + weight * self.acceptance) / (held[1] + weight)
+
+    @property
+    def best_acceptance(self) -> float:
+        """The highest acceptance of any match length (a proposal is worth asking for only if it pays)."""
+        return max([self.acceptance_at(m) for m in self._by_match], default=self.acceptance) if self._by_match \
+            else self.acceptance  # fmt: skip
+
     def _drafter_cost(self) -> float:
         return self.draft_seconds / self.draft_tokens if self.draft_tokens else 0.0
 
-    def budget(self, allowed: int, pending: int = 0) -> int:
+    def budget(self, allowed: int, pending: int = 0, match: int = 0, acceptance: float | None = None) -> int:
         """Draft tokens for the next step, at most `allowed`, when `pending` kept tokens must be fed
-        in front of it anyway: 0 until a plain step has been measured."""
+        in front of it anyway: 0 until a plain step has been measured. `match`: the match length
+        the proposal continues (its acceptance is judged apart), or `acceptance` given outright."""
         if self.cost.forgotten != self._forgotten:  # prices forgotten: probe from one token again
             self._forgotten, self.ramp = self.cost.forgotten, 1
         allowed = 0 if self.audit.paused else min(allowed, self.ramp)
-        a = min(self.acceptance, 0.999)
+        a = min(self.acceptance_at(match) if acceptance is None else acceptance, 0.999)
         # no draft of any length emits MARGIN tokens per plain step's price, which every longer
         # forward costs at least: the common case where drafts do not pay, decided without pricing
         if allowed <= 0 or 1.0 / (1.0 - a) <= self.MARGIN:
@@ -325,21 +214,79 @@ class DraftGate:
         return False
 
     def record(self, fed: int, forward_seconds: float, proposed: int = 0, accepted: int = 0,
-               draft_seconds: float = 0.0, refed: bool = False, shadow: bool = False) -> None:  # fmt: skip
+               draft_seconds: float = 0.0, refed: bool = False, shadow: bool = False, match: int = 0,
+               drafted: int | None = None) -> None:  # fmt: skip
         """A step's forward of `fed` tokens and its seconds; `proposed` draft tokens of which
-        `accepted` were right, and what proposing cost (`shadow`: judged, not fed); `refed`: the
-        target re-fed accepted tokens (it cannot crop inside a forward)."""
-        self.cost.add(fed, forward_seconds)
-        drafted = bool(proposed) and not shadow
-        self.audit.add(fed == 1, fed == 1 and not self.cost.leaving, 1 + accepted * drafted,
-                       forward_seconds + draft_seconds * drafted, self.cost.reference)  # fmt: skip
-        if proposed and not shadow and accepted == proposed:
-            self.ramp = min(self.maximum, self.ramp + 2)
+        `accepted` were right, and what proposing `drafted` tokens (default `proposed`) cost
+        (`shadow`: judged, not fed); `refed`: the target re-fed accepted tokens (it cannot crop
+        inside a forward); `match`: the match length the draft continued (0: not said)."""
+        drafting = bool(proposed) and not shadow
+        self._measured(fed, forward_seconds, 1 + accepted * drafting, draft_seconds * drafting,
+                       whole=drafting and accepted == proposed)  # fmt: skip
         if proposed:
-            self.draft_seconds = self.draft_seconds * 0.8 + draft_seconds
-            self.draft_tokens = self.draft_tokens * 0.8 + proposed
-            judged = accepted + (accepted < proposed)  # the tokens up to and with the first wrong one
-            decay = self.ACCEPT_DECAY**judged
-            self.accepted = self.accepted * decay + accepted
-            self.judged = self.judged * decay + judged
+            self._drafter_spent(draft_seconds, proposed if drafted is None else max(drafted, proposed))
+            self._judge(proposed, accepted, match)
         self.refeeds |= refed
+
+    def _measured(self, fed: int, forward_seconds: float, emitted: float, draft_seconds: float, whole: bool) -> None:
+        """A forward of `fed` tokens (per row) that emitted `emitted` tokens (per row); `whole`: a
+        draft accepted whole (the next may grow)."""
+        self.cost.add(fed, forward_seconds)
+        self.audit.add(fed == 1, fed == 1 and not self.cost.leaving, emitted, forward_seconds + draft_seconds,
+                       self.cost.reference)  # fmt: skip
+        if whole:
+            self.ramp = min(self.maximum, self.ramp + 2)
+
+    def _drafter_spent(self, seconds: float, tokens: int) -> None:
+        self.draft_seconds = self.draft_seconds * 0.8 + seconds
+        self.draft_tokens = self.draft_tokens * 0.8 + tokens
+
+    def _judge(self, proposed: int, accepted: int, match: int) -> None:
+        """`accepted` of `proposed` draft tokens were right (a draft that continued a `match`)."""
+        judged = accepted + (accepted < proposed)  # the tokens up to and with the first wrong one
+        decay = self.ACCEPT_DECAY**judged
+        if match:
+            held = self._by_match.setdefault(match, [0.0, 0.0])
+            held[0], held[1] = held[0] * decay + accepted, held[1] * decay + judged
+        self.accepted = self.accepted * decay + accepted
+        self.judged = self.judged * decay + judged
+
+    # --------------------------------------------------------------------------- batches
+    def batch_width(self, rows: list[tuple[int, int]], allowed: int) -> int:
+        """Draft tokens per row for a batch's next verify forward, every row's draft cut to it and
+        shorter ones padded (a batch feeds one width): `rows` gives each row's offered draft as
+        `(tokens, match)`. The width whose expected tokens per second, summed over the rows, is the
+        highest; 0 when none beats plain steps by `MARGIN` (or while audited losses pause)."""
+        most = max((n for n, _ in rows), default=0)
+        allowed = 0 if self.audit.paused else min(allowed, self.ramp, most)
+        plain = self.cost(1)
+        if allowed <= 0 or plain is None:
+            return 0
+        rates = [(n, min(self.acceptance_at(match), 0.999)) for n, match in rows]
+        best, best_rate = 0, self.MARGIN * len(rows) / max(plain, 1e-9)
+        emitted = float(len(rows))
+        for k in range(1, allowed + 1):
+            emitted += sum(a**k for n, a in rates if n >= k)
+            rate = emitted / self.cost(1 + k)  # type: ignore[operator]
+            if rate > best_rate:
+                best, best_rate = k, rate
+        anchor_every = ForwardCost.QUIET if self.cost.anchored else ForwardCost.ANCHOR
+        close = best and best_rate * plain < self.REFRESH * self.MARGIN * len(rows)
+        if close and (self.cost.since_plain >= anchor_every or self.cost.leaving):
+            return 0
+        return best
+
+    def record_batch(self, width: int, forward_seconds: float, judged: list[tuple[int, int, int]], emitted: int,
+                     draft_seconds: float, drafted: int) -> None:  # fmt: skip
+        """A batch's verify forward of `width` draft tokens per row (0: a plain step) and its
+        seconds; `judged`: each row's `(proposed, accepted, match)` (shadows included: a plain
+        step's offered first tokens), `emitted` tokens in all, and proposing `drafted` tokens took
+        `draft_seconds`."""
+        rows = max(len(judged), 1)
+        whole = bool(width) and any(p and a == p for p, a, _ in judged)  # a row's draft was right: may grow
+        self._measured(1 + width, forward_seconds, emitted / rows, draft_seconds if width else 0.0, whole)
+        if drafted:
+            self._drafter_spent(draft_seconds, drafted)
+        for proposed, accepted, match in judged:
+            if proposed:
+                self._judge(proposed, accepted, match)

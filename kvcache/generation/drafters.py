@@ -31,6 +31,9 @@ class Draft:
 
     tokens: list[int]
     probs: torch.Tensor | None = None
+    #: How many tokens of the sequence's end the draft continues, as the drafter matched them (0:
+    #: not said); the default schedule judges drafts of each match length apart.
+    match: int = 0
 
 
 class Drafter(ABC):
@@ -38,6 +41,9 @@ class Drafter(ABC):
 
     #: Model calls spent on drafting so far (0 for drafters without a model).
     forwards: int = 0
+    #: Whether proposals say their match length (`Draft.match`) and cost little: the default
+    #: schedule then asks for one at every step it might draft and sizes the draft by its match.
+    reports_match: bool = False
 
     def start(  # noqa: B027  (an optional hook)
         self,
@@ -204,6 +210,8 @@ class PromptLookupDrafter(Drafter):
     same at 256 tokens of context as at 64k.
     """
 
+    reports_match = True
+
     def __init__(self, max_ngram_size: int = 3, min_ngram_size: int = 1) -> None:
         for name, value in (("max_ngram_size", max_ngram_size), ("min_ngram_size", min_ngram_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -243,7 +251,7 @@ class PromptLookupDrafter(Drafter):
             if found is None and self._source is not None:
                 found = self._source.continuation(pattern, num_tokens)
             if found:
-                return Draft(found)
+                return Draft(found, match=size)
         return Draft([])
 
 

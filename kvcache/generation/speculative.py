@@ -359,13 +359,27 @@ def _decode(
         allowed = min(schedule.maximum if gate else schedule.current, max_new_tokens - generated - 1)
         if pending >= PENDING_PER_DRAFT_TOKEN * schedule.maximum:
             allowed = 0
-        budget = allowed if gate is None else gate.budget(allowed, pending)
-        asked = budget or int(gate is not None and allowed > 0 and gate.shadow())  # a shadow: judged, not fed
+        sized = gate is not None and drafter.reports_match  # the draft sized by its own match, once proposed
+        if gate is None:
+            budget = asked = allowed
+        elif sized:
+            asked = allowed if gate.budget(allowed, pending, acceptance=gate.best_acceptance) else 0
+        else:
+            budget = gate.budget(allowed, pending)
+            asked = budget
+        if gate is not None and not asked:
+            asked = int(allowed > 0 and gate.shadow())  # a shadow: judged, not fed
         started = time.perf_counter()
         proposal = NO_DRAFT
         if asked:
             proposal = check_draft(drafter.propose(sequence, asked, verifier.pick), asked, runner.vocab_size)
         drafted = time.perf_counter()
+        offered = len(proposal.tokens)
+        if sized:
+            budget = gate.budget(min(allowed, offered), pending, match=proposal.match) if offered else 0  # type: ignore[union-attr]
+            if 0 < budget < offered:
+                probs = None if proposal.probs is None else proposal.probs[:budget]
+                proposal = Draft(proposal.tokens[:budget], probs, proposal.match)
         fed = proposal.tokens if budget else []
         logits = runner.feed(sequence[len(runner.tokens) :] + fed, rollback=bool(fed))
         if pending:
@@ -381,8 +395,9 @@ def _decode(
         out.draft_rollback_paths[drafter.accept(sequence)] += 1
         if gate is not None:
             draft_seconds = drafted - started + time.perf_counter() - verified
-            gate.record(pending + 1 + len(fed), verified - drafted, len(proposal.tokens), accepted, draft_seconds,
-                        refed=path == REFEED, shadow=not budget)  # fmt: skip
+            judged = len(fed) if budget else min(offered, 1)  # a shadow: its first token
+            gate.record(pending + 1 + len(fed), verified - drafted, judged, accepted, draft_seconds,
+                        refed=path == REFEED, shadow=not budget, match=proposal.match, drafted=offered)  # fmt: skip
     if len(runner.tokens) < len(sequence) - 1:  # the returned cache holds every token but the last
         runner.feed(sequence[len(runner.tokens) : -1], rollback=False)
         runner.truncate(len(sequence) - 1)

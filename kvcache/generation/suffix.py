@@ -129,9 +129,13 @@ class SuffixDrafter(Drafter):
     is the most frequent continuation of the longest context (at least `min_match` tokens) that
     was seen; drafting stops where that continuation followed less than `min_share` of the times,
     and after `per_match` tokens per token of the match the draft starts from (SuffixDecoding's
-    rule: a short match, common text, earns a short draft; a long one, a repeat, a long draft).
+    rule: a short match, common text, earns a short draft; a long one, a repeat, a long draft); a
+    match of the corpus's whole `max_depth` is not limited (a repeat goes on as far as it is
+    confident).
     `start` feeds the sequence a previous `start` began (its prompt and what was decoded since) to
     the corpus, so answers of earlier requests help later ones; `finish` does that explicitly."""
+
+    reports_match = True
 
     def __init__(
         self,
@@ -185,18 +189,19 @@ class SuffixDrafter(Drafter):
         context = self._tokens[-depth:]
         drafted: list[int] = []
         longest = len(context)  # the longest seen suffix is at most this long
-        limit = num_tokens
+        limit, match = num_tokens, 0
         while len(drafted) < limit:
             n, key = self._longest_seen(context, longest)
             choice = None if n == 0 else self._most_frequent(key)
             if choice is None:
                 break
-            if not drafted:
-                limit = min(num_tokens, max(1, int(self.per_match * n)))
+            if not drafted:  # a match of the corpus's whole depth is a repeat: drafted as far as it goes
+                limit = num_tokens if n >= depth else min(num_tokens, max(1, int(self.per_match * n)))
+                match = n
             drafted.append(choice)
             context = [*context, choice][-depth:]
             longest = min(n + 1, len(context))  # context + choice was followed by something only if context was
-        return Draft(drafted)
+        return Draft(drafted, match=match)
 
     def _seen(self, key: int) -> bool:
         return key in self.corpus._counts.counts or key in self._own.counts

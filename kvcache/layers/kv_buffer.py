@@ -190,7 +190,7 @@ class KVBuffer:
     @classmethod
     def from_chunks(cls, chunks: list[tuple[torch.Tensor, torch.Tensor]], headroom: Headroom = Headroom()) -> KVBuffer:
         """A buffer holding copies of `[batch, heads, n_i, dim]` key/value chunks, in order, with
-        headroom: one copy of each chunk, straight into the storage (no concatenated temporary)."""
+        headroom: one concatenation per tensor, straight into the storage (no temporary)."""
         buf = cls(headroom)
         total = sum(k.shape[2] for k, _ in chunks)
         first_k, first_v = chunks[0]
@@ -199,8 +199,9 @@ class KVBuffer:
             first_k.new_empty(*first_k.shape[:2], cap, first_k.shape[3]),
             first_v.new_empty(*first_v.shape[:2], cap, first_v.shape[3]),
         )
-        for keys, values in chunks:
-            buf.append(keys, values)
+        torch.cat([k for k, _ in chunks], dim=2, out=buf.keys.narrow(2, 0, total))  # type: ignore[union-attr]
+        torch.cat([v for _, v in chunks], dim=2, out=buf.values.narrow(2, 0, total))  # type: ignore[union-attr]
+        buf.end = total
         return buf
 
     def __len__(self) -> int:

@@ -36,6 +36,7 @@ import torch
 
 from ..cache import Cache
 from ..errors import CacheInputError
+from ..generation.draft_schedule import DraftGate
 from ..generation.drafters import Drafter, ModelDrafter, PromptLookupDrafter
 from ..generation.sampling import Sampling
 from ..generation.suffix import SuffixDrafter
@@ -126,11 +127,15 @@ class Engine:
     def __init__(self, model: Any, store: Any, *, eos: list[int], metrics: Metrics | None = None,
                  speculative: int = 0, max_batch: int = MAX_BATCH,
                  max_step_tokens: int = MAX_STEP_TOKENS, draft_model: Any = None,
-                 suffix_corpus: Any = None) -> None:  # fmt: skip
+                 suffix_corpus: Any = None, draft_schedule: str = "adaptive") -> None:  # fmt: skip
         """`speculative`: draft tokens per row and step (0: none), by prompt lookup, by
         `draft_model` (a model of the same vocabulary; each row drafts with a cache of its own), or
         from `suffix_corpus` (a `SuffixCorpus` every finished request's prompt and answer feeds,
-        shared by all requests of this engine: one model, one API key)."""
+        shared by all requests of this engine: one model, one API key). `draft_schedule`:
+        "adaptive" (lookup and suffix drafts fed as far as their matches pay, `DraftGate`) or
+        "constant" (every offered draft fed whole, as a draft model's always are)."""
+        if draft_schedule not in ("adaptive", "constant"):
+            raise CacheInputError(f"draft_schedule must be 'adaptive' or 'constant', got {draft_schedule!r}")
         if draft_model is not None and suffix_corpus is not None:
             raise CacheInputError("a draft model and a suffix corpus are alternatives: give one")
         if draft_model is not None and not speculative:
@@ -140,6 +145,9 @@ class Engine:
                                   f"served model's ({int(model.vocab_size)})")  # fmt: skip
         self.model, self.store, self.eos, self.draft_model = model, store, frozenset(eos), draft_model
         self.suffix_corpus = suffix_corpus
+        #: how many draft tokens the batch feeds (drafters that say their match: not a draft model)
+        adaptive = speculative and draft_model is None and draft_schedule == "adaptive"
+        self.draft_gate = DraftGate(speculative) if adaptive else None
         self.metrics = metrics or Metrics()
         self.speculative, self.max_batch, self.max_step_tokens = speculative, max_batch, max_step_tokens
         if any(not storable(layer, store.chunk_size) for layer in model.new_cache()):

@@ -2,7 +2,11 @@
 or with the server's draft model and a draft cache of its own), all rows are verified in one
 forward, and each row is cropped by its own count.
 
-A row's draft stops at its next chunk boundary, so a row's kept tokens land on every boundary
+With prompt lookup or suffix drafting (drafters that say which match a draft continues), the
+engine's `DraftGate` chooses how many of the offered draft tokens the batch feeds (one width for
+all rows, none where no width pays: `DraftGate.batch_width`), judging drafts by their match
+length, as `speculative_generate`'s default schedule does for one sequence; a draft model's
+drafts are fed whole. A row's draft stops at its next chunk boundary, so a row's kept tokens land on every boundary
 exactly and the prefix store can take the state there (a step past a boundary would leave no
 state at it), and at its next quantized block boundary (a verify forward's queries then see what
 single steps would see quantized: `Cache.forward_segments`). Rows with shorter drafts are padded
@@ -13,6 +17,7 @@ sampling rows follow the speculative-sampling rule, so the output is the target'
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -20,29 +25,51 @@ import torch
 from ..generation.drafters import Draft
 from ..generation.speculative import Verifier
 
+NO_DRAFT = Draft([])
+
+
+def _cut(draft: Draft, n: int) -> Draft:
+    if len(draft.tokens) <= n:
+        return draft
+    return Draft(draft.tokens[:n], None if draft.probs is None else draft.probs[:n], draft.match)
+
 
 def speculative_step(engine: Any) -> None:
-    rows, cache = engine._rows, engine._cache
-    drafts, verifiers = [], []
+    rows, cache, gate = engine._rows, engine._cache, engine.draft_gate
+    started = time.perf_counter()
+    offered, verifiers = [], []
     for request in rows:
         to_boundary = engine.draft_step - request.session.length % engine.draft_step
         budget = min(engine.speculative, request.max_tokens - len(request.tokens) - 1, to_boundary - 1)
         sequence = request.prompt + request.tokens
         verifier = Verifier(request.sampling, request.generator)  # a draft model picks as the row samples
         verifiers.append(verifier)
-        drafts.append(request.drafter.propose(sequence, budget, verifier.pick) if budget > 0 else Draft([]))
+        offered.append(request.drafter.propose(sequence, budget, verifier.pick) if budget > 0 else NO_DRAFT)
+    drafts = offered
+    if gate is not None:  # as many draft tokens per row as the rows' matches pay for, in one width
+        most = gate.batch_width([(len(d.tokens), d.match) for d in offered], engine.speculative)
+        drafts = [_cut(d, most) for d in offered]
     width = 1 + max(len(d.tokens) for d in drafts)
+    drafted = time.perf_counter()
     padded = [[r.pending, *d.tokens, *[r.pending] * (width - 1 - len(d.tokens))]
               for r, d in zip(rows, drafts, strict=True)]
     ids = torch.tensor(padded, dtype=torch.long, device=engine.device)
-    cache.activate_past_recording()
+    if width > 1:
+        cache.activate_past_recording()
     logits = engine.model(ids, cache=cache, **engine.row_inputs(width))
     verdicts = [verifier.verify(draft, logits[b, : len(draft.tokens) + 1])
                 for b, (verifier, draft) in enumerate(zip(verifiers, drafts, strict=True))]
-    drops = [width - 1 - accepted for accepted, _ in verdicts]
-    if any(drops):
-        cache.crop([-d for d in drops])
-    cache.crop(0)
+    if width > 1:
+        drops = [width - 1 - accepted for accepted, _ in verdicts]
+        if any(drops):
+            cache.crop([-d for d in drops])
+        cache.crop(0)
+    if gate is not None:
+        judged = [(len(d.tokens), accepted, d.match) if d.tokens  # a row's shadow: its first offered token
+                  else (min(len(o.tokens), 1), int(bool(o.tokens) and o.tokens[0] == emitted[0]), o.match)
+                  for d, o, (accepted, emitted) in zip(drafts, offered, verdicts, strict=True)]  # fmt: skip
+        gate.record_batch(width - 1, time.perf_counter() - drafted, judged, sum(len(e) for _, e in verdicts),
+                          drafted - started, sum(len(o.tokens) for o in offered))  # fmt: skip
     keep = []
     for b, (request, draft, (accepted, emitted)) in enumerate(zip(rows, drafts, verdicts, strict=True)):
         request.session.advance([request.pending, *draft.tokens[:accepted]], engine.row_capture(b))

@@ -19,7 +19,7 @@ import heapq
 import itertools
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..errors import KVCacheError
@@ -48,6 +48,9 @@ class Entry:
     parent: bytes | None
     payloads: list[Payload]
     nbytes: int
+    #: `(model root, depth)` where a lookup last found it sound: the memory backend hands the same
+    #: entry to every lookup, so its payloads are checked against the model once, not per hit
+    checked: tuple[bytes, int] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

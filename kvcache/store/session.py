@@ -13,7 +13,9 @@ the store (`PrefixStore.guard`).
 
 from __future__ import annotations
 
+import sys
 import warnings
+from array import array
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -52,9 +54,15 @@ class StoreSession:
     def extend_keys(self) -> None:
         """Keys for every whole chunk of `tokens` not keyed yet."""
         parent = self.keys[-1] if self.keys else self.root
-        for start in range(len(self.keys) * self.chunk, len(self.tokens) - self.chunk + 1, self.chunk):
-            chunk = torch.tensor(self.tokens[start : start + self.chunk], dtype=torch.int64).numpy().tobytes()
-            parent = xxhash.xxh3_128_digest(parent + chunk)
+        first = len(self.keys) * self.chunk
+        whole = max(len(self.tokens) - first, 0) // self.chunk * self.chunk
+        ints = array("q", self.tokens[first : first + whole])  # int64, little-endian on every machine
+        if sys.byteorder == "big":
+            ints.byteswap()
+        data = ints.tobytes()
+        step = self.chunk * 8
+        for start in range(0, len(data), step):
+            parent = xxhash.xxh3_128_digest(parent + data[start : start + step])
             self.keys.append(parent)
 
     def stamp(self) -> int | None:
@@ -80,15 +88,17 @@ class StoreSession:
         if isinstance(record, OSError):
             self._drop(key, f"cannot be read ({record})")
             return None
+        parent = self.keys[depth - 1] if depth else None
         if isinstance(record, Entry):
             entry = record
+            if entry.checked == (self.root, depth) and entry.parent == parent:
+                return entry
         else:
             try:
                 entry = codec.decode(key, bytes(record), self.store.key)
             except CacheFormatError as exc:
                 self._drop(key, str(exc))
                 return None
-        parent = self.keys[depth - 1] if depth else None
         if entry.parent != parent:
             self._drop(key, "names another parent than its chunk's")
             return None
@@ -102,6 +112,7 @@ class StoreSession:
             if problem is not None:
                 self._drop(key, f"does not fit the model at layer {i}: {problem}")
                 return None
+        entry.checked = (self.root, depth)
         return entry
 
     # ---------------------------------------------------------------------------- lookup
