@@ -302,6 +302,29 @@ def test_suffix_drafting_learns_from_finished_requests_and_changes_no_answer(bun
     assert second_steps < first_steps / 2, (first_steps, second_steps)
 
 
+def test_seeded_sampling_under_the_draft_gate_is_what_plain_decoding_samples(bundled) -> None:
+    """Under the adaptive draft gate a sampling row drafts nothing (how much the gate drafts hangs
+    on timing, and a seeded row's random draws must not): seeded sampled answers, next to greedy
+    rows that do draft, are those of the same engine without speculation."""
+    model, tokenizer = bundled
+    prompts = [prompt_ids(tokenizer, i, n) for i, n in enumerate((30, 70, 45, 90))]
+
+    def answers(**kwargs) -> list[list[int]]:
+        engine = Engine(model, PrefixStore(chunk_size=16), eos=[], **kwargs)
+        engine.start()
+        try:
+            requests = [Request(prompt=p, max_tokens=30, seed=i, sampling=Sampling(i % 2 == 0, temperature=1.3))
+                        for i, p in enumerate(prompts)]  # fmt: skip
+            run_requests(engine, requests)
+            return [r.tokens for r in requests]
+        finally:
+            engine.stop()
+
+    plain = answers()
+    for _ in range(2):  # the gate's choices differ between runs; the samples may not
+        assert answers(speculative=6) == plain
+
+
 def test_cold_newcomers_are_prefilled_together_and_store_what_they_computed(bundled) -> None:
     """Eight cold prompts of 9 to 60 tokens arriving together are prefilled in one forward (left
     padded to the longest): every answer equals its prompt decoded alone, and every chunk boundary

@@ -125,6 +125,8 @@ class DraftGate:
         self.draft_tokens = 0.0
         self.refeeds = False  # the target re-feeds accepted tokens after a rejection
         self._since_shadow = 0
+        self._shadow_credit = 0.0  # a batch's shadow proposals owed, in rows (`shadow_rows`)
+        self._batch_costs: dict[int, ForwardCost] = {}  # batches' cost models, by size (`batch_cost`)
         # Drafts start at one token and may grow by two after each draft accepted whole: finding
         # out that drafts lose then costs one token's verify, and good drafts reach full length
         # in a few steps.
@@ -228,12 +230,15 @@ class DraftGate:
             self._judge(proposed, accepted, match)
         self.refeeds |= refed
 
-    def _measured(self, fed: int, forward_seconds: float, emitted: float, draft_seconds: float, whole: bool) -> None:
+    def _measured(self, fed: int, forward_seconds: float, emitted: float, draft_seconds: float, whole: bool,
+                  cost: ForwardCost | None = None) -> None:  # fmt: skip
         """A forward of `fed` tokens (per row) that emitted `emitted` tokens (per row); `whole`: a
-        draft accepted whole (the next may grow)."""
-        self.cost.add(fed, forward_seconds)
-        self.audit.add(fed == 1, fed == 1 and not self.cost.leaving, emitted, forward_seconds + draft_seconds,
-                       self.cost.reference)  # fmt: skip
+        draft accepted whole (the next may grow); `cost`: the cost model it is measured in (default
+        the single sequence's)."""
+        cost = self.cost if cost is None else cost
+        cost.add(fed, forward_seconds)
+        self.audit.add(fed == 1, fed == 1 and not cost.leaving, emitted, forward_seconds + draft_seconds,
+                       cost.reference)  # fmt: skip
         if whole:
             self.ramp = min(self.maximum, self.ramp + 2)
 
@@ -252,29 +257,55 @@ class DraftGate:
         self.judged = self.judged * decay + judged
 
     # --------------------------------------------------------------------------- batches
-    def batch_width(self, rows: list[tuple[int, int]], allowed: int) -> int:
+    def batch_width(self, rows: list[tuple[int, int]], allowed: int, acceptance: float | None = None) -> int:
         """Draft tokens per row for a batch's next verify forward, every row's draft cut to it and
         shorter ones padded (a batch feeds one width): `rows` gives each row's offered draft as
         `(tokens, match)`. The width whose expected tokens per second, summed over the rows, is the
-        highest; 0 when none beats plain steps by `MARGIN` (or while audited losses pause)."""
+        highest; 0 when none beats plain steps by `MARGIN` (or while audited losses pause).
+        `acceptance`: one for every row, instead of each match length's."""
         most = max((n for n, _ in rows), default=0)
         allowed = 0 if self.audit.paused else min(allowed, self.ramp, most)
-        plain = self.cost(1)
+        cost = self.batch_cost(len(rows))
+        plain = cost(1)
         if allowed <= 0 or plain is None:
             return 0
-        rates = [(n, min(self.acceptance_at(match), 0.999)) for n, match in rows]
+        rates = [(n, min(self.acceptance_at(match) if acceptance is None else acceptance, 0.999)) for n, match in rows]
         best, best_rate = 0, self.MARGIN * len(rows) / max(plain, 1e-9)
         emitted = float(len(rows))
         for k in range(1, allowed + 1):
             emitted += sum(a**k for n, a in rates if n >= k)
-            rate = emitted / self.cost(1 + k)  # type: ignore[operator]
+            rate = emitted / cost(1 + k)  # type: ignore[operator]
             if rate > best_rate:
                 best, best_rate = k, rate
-        anchor_every = ForwardCost.QUIET if self.cost.anchored else ForwardCost.ANCHOR
+        anchor_every = ForwardCost.QUIET if cost.anchored else ForwardCost.ANCHOR
         close = best and best_rate * plain < self.REFRESH * self.MARGIN * len(rows)
-        if close and (self.cost.since_plain >= anchor_every or self.cost.leaving):
+        if close and (cost.since_plain >= anchor_every or cost.leaving):
             return 0
         return best
+
+    def batch_cost(self, rows: int) -> ForwardCost:
+        """The cost model of batches of about `rows` rows (1, 2-3, 4-7, ...: one per power of two).
+        What a wider forward costs over a plain step depends on the batch: for one row of a small
+        model, a forward's fixed cost dominates (9 tokens measured 1.2x one); for 32 rows its
+        arithmetic does (3 tokens a row measured 2x one)."""
+        return self._batch_costs.setdefault(max(rows, 1).bit_length(), ForwardCost())
+
+    def worth_asking(self, rows: int, allowed: int) -> bool:
+        """Whether a batch of `rows` could draft at all: some width pays at the best acceptance
+        any match length has earned (else only shadows are asked for, `shadow_rows`)."""
+        return self.batch_width([(allowed, 0)] * rows, allowed, acceptance=self.best_acceptance) > 0
+
+    def shadow_rows(self, rows: int) -> int:
+        """How many of a batch's `rows` are asked for a one-token shadow proposal at this plain step,
+        so that shadows cost `SHADOW_BUDGET` of plain steps' time (all rows until the drafter's cost
+        is measured; a fraction of a row carries over to the next step)."""
+        plain = self.batch_cost(rows)(1)
+        if plain is None or not self.draft_tokens:
+            return rows
+        self._shadow_credit += self.SHADOW_BUDGET * plain / max(self._drafter_cost(), 1e-9)
+        asked = min(int(self._shadow_credit), rows)
+        self._shadow_credit = min(self._shadow_credit - asked, 1.0)
+        return asked
 
     def record_batch(self, width: int, forward_seconds: float, judged: list[tuple[int, int, int]], emitted: int,
                      draft_seconds: float, drafted: int) -> None:  # fmt: skip
@@ -284,7 +315,8 @@ class DraftGate:
         `draft_seconds`."""
         rows = max(len(judged), 1)
         whole = bool(width) and any(p and a == p for p, a, _ in judged)  # a row's draft was right: may grow
-        self._measured(1 + width, forward_seconds, emitted / rows, draft_seconds if width else 0.0, whole)
+        self._measured(1 + width, forward_seconds, emitted / rows, draft_seconds if width else 0.0, whole,
+                       self.batch_cost(len(judged)))  # fmt: skip
         if drafted:
             self._drafter_spent(draft_seconds, drafted)
         for proposed, accepted, match in judged:

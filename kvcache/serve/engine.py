@@ -148,6 +148,8 @@ class Engine:
         #: how many draft tokens the batch feeds (drafters that say their match: not a draft model)
         adaptive = speculative and draft_model is None and draft_schedule == "adaptive"
         self.draft_gate = DraftGate(speculative) if adaptive else None
+        self.draft_width = 0 if adaptive else speculative  # draft tokens per row the last step fed
+        self.shadow_turn = 0  # the row the next step's shadow proposals start from
         self.metrics = metrics or Metrics()
         self.speculative, self.max_batch, self.max_step_tokens = speculative, max_batch, max_step_tokens
         if any(not storable(layer, store.chunk_size) for layer in model.new_cache()):
@@ -255,7 +257,7 @@ class Engine:
         """Spend this turn's budget on the waiting prompts, in order of arrival, as many as there
         are free rows for: the cold prompts that fit one forward together first (`prefill.group_of`),
         then the rest one by one. The first prompt is fed at least one chunk, so prefills always move."""
-        budget = self.max_step_tokens - len(self._rows) * (1 + self.speculative)
+        budget = self.max_step_tokens - len(self._rows) * (1 + self.draft_width)
         slots = self.max_batch - len(self._rows) - len(self._ready)
         waiting = []
         for request in list(self._prefilling)[: max(slots, 0)]:

@@ -22,10 +22,18 @@ from typing import Any
 
 import torch
 
-from ..generation.drafters import Draft
+from ..generation.drafters import Draft, Drafter
 from ..generation.speculative import Verifier
 
 NO_DRAFT = Draft([])
+
+
+def _greedy(draft: Draft, choice: list[int]) -> tuple[int, list[int]]:
+    """`Verifier.verify` of a greedy row, from the target's argmax at each of its positions."""
+    accepted = 0
+    while accepted < len(draft.tokens) and draft.tokens[accepted] == choice[accepted]:
+        accepted += 1
+    return accepted, [*draft.tokens[:accepted], choice[accepted]]
 
 
 def _cut(draft: Draft, n: int) -> Draft:
@@ -37,10 +45,18 @@ def _cut(draft: Draft, n: int) -> Draft:
 def speculative_step(engine: Any) -> None:
     rows, cache, gate = engine._rows, engine._cache, engine.draft_gate
     started = time.perf_counter()
+    # Under the gate, sampling rows draft nothing: how much it drafts hangs on timing, and a seeded
+    # row's random draws must not (its tokens are then those of a plain step, seed for seed).
+    asked = [0 if gate is not None and r.sampling.do_sample else engine.speculative for r in rows]
+    if gate is not None and not gate.worth_asking(len(rows), engine.speculative):
+        # no width could pay: a few rows (in turn) are asked for one token, judged as shadows
+        shadows, first = gate.shadow_rows(len(rows)), engine.shadow_turn
+        engine.shadow_turn = first + shadows
+        asked = [min(most, int((b - first) % len(rows) < shadows)) for b, most in enumerate(asked)]
     offered, verifiers = [], []
-    for request in rows:
+    for request, most in zip(rows, asked, strict=True):
         to_boundary = engine.draft_step - request.session.length % engine.draft_step
-        budget = min(engine.speculative, request.max_tokens - len(request.tokens) - 1, to_boundary - 1)
+        budget = min(most, request.max_tokens - len(request.tokens) - 1, to_boundary - 1)
         sequence = request.prompt + request.tokens
         verifier = Verifier(request.sampling, request.generator)  # a draft model picks as the row samples
         verifiers.append(verifier)
@@ -50,6 +66,7 @@ def speculative_step(engine: Any) -> None:
         most = gate.batch_width([(len(d.tokens), d.match) for d in offered], engine.speculative)
         drafts = [_cut(d, most) for d in offered]
     width = 1 + max(len(d.tokens) for d in drafts)
+    engine.draft_width = width - 1  # what the next turn's prefill budget leaves for these rows
     drafted = time.perf_counter()
     padded = [[r.pending, *d.tokens, *[r.pending] * (width - 1 - len(d.tokens))]
               for r, d in zip(rows, drafts, strict=True)]
@@ -57,8 +74,10 @@ def speculative_step(engine: Any) -> None:
     if width > 1:
         cache.activate_past_recording()
     logits = engine.model(ids, cache=cache, **engine.row_inputs(width))
-    verdicts = [verifier.verify(draft, logits[b, : len(draft.tokens) + 1])
-                for b, (verifier, draft) in enumerate(zip(verifiers, drafts, strict=True))]
+    choices = logits.argmax(-1).tolist()  # every greedy row's choices in one host transfer
+    verdicts = [_greedy(draft, choices[b]) if not verifier.do_sample
+                else verifier.verify(draft, logits[b, : len(draft.tokens) + 1])
+                for b, (verifier, draft) in enumerate(zip(verifiers, drafts, strict=True))]  # fmt: skip
     if width > 1:
         drops = [width - 1 - accepted for accepted, _ in verdicts]
         if any(drops):
@@ -77,7 +96,8 @@ def speculative_step(engine: Any) -> None:
             engine._emit(request, token)
             if request.finish_reason is not None:
                 break
-        request.drafter.accept(request.prompt + request.tokens)
+        if type(request.drafter).accept is not Drafter.accept:  # a draft model drops what was rejected
+            request.drafter.accept(request.prompt + request.tokens)
         if request.finish_reason is None:
             keep.append(b)
     engine._keep(keep)
