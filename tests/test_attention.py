@@ -38,6 +38,8 @@ CASES = {  # (batch, heads, kv_heads, queries, past, kv_offset, keys held, windo
     "prefill from nothing": (2, 4, 2, 30, 0, 0, 30, None, False),
     "block onto a cache, grouped": (2, 6, 2, 24, 50, 0, 74, None, False),
     "block onto a cache, one kv head": (1, 4, 1, 9, 5, 0, 14, None, False),
+    # more scores than SMALL_MASK: the block and the prefix in two pieces, merged
+    "long block onto a cache, merged": (1, 4, 2, 160, 300, 0, 460, None, False),
     "block within a window": (1, 4, 2, 6, 20, 10, 16, 32, False),
     "long prefill, window": (1, 4, 2, 70, 0, 0, 70, 8, False),
     "long block onto a window": (1, 4, 2, 40, 30, 23, 47, 8, False),
@@ -65,6 +67,24 @@ def test_attention_matches_a_naive_softmax(case: str, dtype: torch.dtype, tol: f
     if padded:
         expected[0, :, : max(0, 3 - past)] = out[0, :, : max(0, 3 - past)].double()  # pad queries: any finite
     torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("case, merged", [("block onto a cache, grouped", False),
+                                          ("long block onto a cache, merged", True)])  # fmt: skip
+def test_a_block_is_merged_from_two_pieces_only_past_small_mask(case: str, merged: bool, monkeypatch) -> None:
+    """Which path a block onto a cache takes: a few scores (a verify forward) one small mask, more
+    than `SMALL_MASK` the two merged pieces (no mask over all keys)."""
+    import kvcache.models.attention as attention
+
+    batch, heads, kv_heads, length, past, kv_offset, held, window, _ = CASES[case]
+    assert (length * held > attention.SMALL_MASK) == merged
+    calls = []
+    real = attention._prefix_then_causal
+    monkeypatch.setattr(attention, "_prefix_then_causal", lambda *a: calls.append(1) or real(*a))
+    q = torch.randn(batch, heads, length, 16)
+    k, v = torch.randn(batch, kv_heads, held, 16), torch.randn(batch, kv_heads, held, 16)
+    masked_attention(q, k, v, past_length=past, kv_offset=kv_offset, sliding_window=window, attention_mask=None)
+    assert bool(calls) == merged
 
 
 def test_ragged_rows_see_their_own_positions() -> None:

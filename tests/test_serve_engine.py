@@ -325,6 +325,52 @@ def test_seeded_sampling_under_the_draft_gate_is_what_plain_decoding_samples(bun
         assert answers(speculative=6) == plain
 
 
+def test_a_first_token_reaches_the_web_side_before_the_turns_decode_step(bundled) -> None:
+    """A prefill's first token is handed to the request's event loop as soon as the prefill turn
+    ends, not after the join and the decode step that follow it in the same turn (a step of a full
+    batch, or a join that copies a long prompt, would delay every newcomer's first token)."""
+    import asyncio
+
+    from kvcache.serve.engine import asyncio_sink
+
+    model, tokenizer = bundled
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    first, done, seen_at_decode = threading.Event(), threading.Event(), []
+
+    class Watching(CountingModel):
+        def __call__(self, ids, **kwargs):
+            if ids.shape[1] == 1 and kwargs.get("cache") is not None and kwargs["cache"].get_seq_length():
+                seen_at_decode.append(first.wait(2.0))  # a decode step: has the first token arrived?
+            return super().__call__(ids, **kwargs)
+
+    async def consume(queue: asyncio.Queue) -> None:
+        while True:
+            kind, _ = await queue.get()
+            first.set()
+            if kind in ("done", "error"):
+                done.set()
+                return
+
+    async def make_queue() -> asyncio.Queue:
+        return asyncio.Queue()
+
+    queue = asyncio.run_coroutine_threadsafe(make_queue(), loop).result(5)
+    asyncio.run_coroutine_threadsafe(consume(queue), loop)
+    engine = Engine(Watching(model), PrefixStore(chunk_size=16), eos=[])
+    engine.start()
+    try:
+        request = Request(prompt=prompt_ids(tokenizer, 1, 40), max_tokens=3, sampling=Sampling(False))
+        request.on_event = asyncio_sink(loop, queue)
+        engine.submit(request)
+        assert done.wait(30)
+    finally:
+        engine.stop()
+        loop.call_soon_threadsafe(loop.stop)
+    assert seen_at_decode and seen_at_decode[0], seen_at_decode
+
+
 def test_cold_newcomers_are_prefilled_together_and_store_what_they_computed(bundled) -> None:
     """Eight cold prompts of 9 to 60 tokens arriving together are prefilled in one forward (left
     padded to the longest): every answer equals its prompt decoded alone, and every chunk boundary

@@ -3,8 +3,8 @@
 Each loop turn does, in order: admit newcomers; spend the turn's token budget (`max_step_tokens`,
 less one token per running row) on prefill blocks of the waiting prompts, first come first
 served, each alone through the prefix store (`prefill`: a block is as long as the budget allows,
-not a store chunk; several newcomers may be fed in one turn); join the requests whose prefill is
-done into the batch (`rows.stack`); run one decode step for every row (one forward, per-row
+not a store chunk; several newcomers may be fed in one turn); hand their first tokens to the web
+side at once; join the requests whose prefill is done into the batch (`rows.stack`); run one decode step for every row (one forward, per-row
 positions and padding mask); hand each row its token; let finished and cancelled rows leave
 (`batch_select_indices`). Every chunk boundary a row's cache reaches is stored
 (`StoreSession.advance`), so the next turn of a chat finds the previous answer; the store's
@@ -248,6 +248,7 @@ class Engine:
         else:
             self._prefill_turn()
         if self._ready:
+            self._flush()  # the first tokens go out now, not after the join and the decode step
             self._join()
         if self._rows:
             self._decode_step()
