@@ -325,6 +325,51 @@ def test_seeded_sampling_under_the_draft_gate_is_what_plain_decoding_samples(bun
         assert answers(speculative=6) == plain
 
 
+def test_under_the_gate_rows_draft_only_while_the_batch_is_small_enough(bundled) -> None:
+    """`draft_rows`: under the adaptive gate a step asks its rows for drafts only while the batch
+    holds at most that many rows (a larger batch takes plain steps); the answers are unchanged."""
+    from kvcache.generation import PromptLookupDrafter
+
+    model, tokenizer = bundled
+    batch_at_proposal: list[int] = []
+    engine = Engine(model, PrefixStore(chunk_size=16), eos=[], speculative=4, draft_rows=1)
+
+    class Watched(PromptLookupDrafter):
+        def propose(self, sequence, num_tokens, pick):  # type: ignore[no-untyped-def]
+            batch_at_proposal.append(len(engine._rows))
+            return super().propose(sequence, num_tokens, pick)
+
+    engine._new_drafter = Watched  # type: ignore[method-assign]
+    prompts = [prompt_ids(tokenizer, i, n) for i, n in enumerate((30, 50, 20))]
+    engine.start()
+    try:
+        requests = [Request(prompt=p, max_tokens=n, sampling=Sampling(False))
+                    for p, n in zip(prompts, (6, 8, 40), strict=True)]  # fmt: skip
+        run_requests(engine, requests)
+    finally:
+        engine.stop()
+    for prompt, request, n in zip(prompts, requests, (6, 8, 40), strict=True):
+        assert request.tokens == alone(model, prompt, n)
+    assert batch_at_proposal and set(batch_at_proposal) == {1}  # the last request, once alone, drafted
+
+
+def test_which_models_can_speculate() -> None:
+    """`can_speculate`, what `kvcache serve` checks before drafting by default: attention and conv
+    windows roll back token by token; a Mamba state kept only at a forward's end does not."""
+    pytest.importorskip("transformers", minversion="5.24")
+    from test_transformers_models import tiny_model
+
+    from kvcache.integrations.transformers import wrap_model
+    from kvcache.serve.engine import can_speculate
+
+    cpu = torch.device("cpu")
+    assert can_speculate(load_default_model()[0], cpu)
+    assert can_speculate(wrap_model(tiny_model("lfm2")), cpu)
+    assert not can_speculate(wrap_model(tiny_model("falcon_h1")), cpu)
+    with pytest.raises(CacheInputError, match="rolled back"):
+        Engine(wrap_model(tiny_model("falcon_h1")), PrefixStore(chunk_size=16), eos=[], speculative=2)
+
+
 def test_a_first_token_reaches_the_web_side_before_the_turns_decode_step(bundled) -> None:
     """A prefill's first token is handed to the request's event loop as soon as the prefill turn
     ends, not after the join and the decode step that follow it in the same turn (a step of a full

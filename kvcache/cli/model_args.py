@@ -15,6 +15,14 @@ DTYPES = ("float32", "float64", "bfloat16", "float16")
 DEFAULT_DRAFT_TOKENS = 4
 #: The most tokens a suffix draft proposes when `kvcache serve --speculative suffix` gives no K.
 DEFAULT_SUFFIX_TOKENS = 8
+#: `kvcache serve` without a speculation flag: prompt lookup of up to this many tokens a step,
+#: drafted while at most `AUTO_DRAFT_ROWS` requests run. Measured on 2 cores (tiny Llama- and
+#: LFM2-shaped directories, `benchmarks/serve_anchor.py`'s load, this default against
+#: `--speculative 0`): 1.45x-1.55x and 2.3x-2.5x the tokens/s at 1 client; with drafting at up to
+#: 4 rows, 0.93x-0.95x (Llama) at 8 and 32 clients, where a forward's arithmetic, not its fixed
+#: cost, sets its time; at most 1 row keeps those within the runs' noise.
+AUTO_DRAFT_TOKENS = 4
+AUTO_DRAFT_ROWS = 1
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, draft_model: bool) -> None:

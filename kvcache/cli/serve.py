@@ -10,7 +10,15 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import GenerationError
-from .model_args import DEFAULT_SUFFIX_TOKENS, add_model_arguments, check_model_arguments, load_drafter, load_model
+from .model_args import (
+    AUTO_DRAFT_ROWS,
+    AUTO_DRAFT_TOKENS,
+    DEFAULT_SUFFIX_TOKENS,
+    add_model_arguments,
+    check_model_arguments,
+    load_drafter,
+    load_model,
+)
 
 API_KEY_ENV = "KVCACHE_API_KEY"
 
@@ -35,9 +43,11 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' (or set ${API_KEY_ENV}, or use "
                         "--api-key-file: a flag's value is visible to other users of this machine)")
     parser.add_argument("--api-key-file", metavar="FILE", help="read the API key from FILE")
-    parser.add_argument("--speculative", type=_speculative, nargs="?", const=4, default=0, metavar="K|suffix",
+    parser.add_argument("--speculative", type=_speculative, nargs="?", const=4, default=None, metavar="K|suffix",
                         help=f"K: the same as --prompt-lookup K (K=4 when left out); suffix: the same as "
-                        f"--suffix-draft {DEFAULT_SUFFIX_TOKENS}")
+                        f"--suffix-draft {DEFAULT_SUFFIX_TOKENS}; 0: no speculation. Default: prompt lookup of up "
+                        f"to {AUTO_DRAFT_TOKENS} tokens, drafted while at most {AUTO_DRAFT_ROWS} request(s) run and "
+                        "only as far as it pays, for models whose rejected drafts can be rolled back")
     parser.add_argument("--kv-bits", type=int, choices=(8, 4, 2), default=None,
                         help="quantize the attention cache to 8, 4 or 2 bits (as generate --kv-bits; each request "
                         "quantized as when it runs alone); default: full precision")
@@ -165,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     from ..devices import resolve_device
     from ..generation import SuffixCorpus
     from ..serve import create_app
-    from ..serve.engine import Engine
+    from ..serve.engine import Engine, can_speculate
     from ..serve.schema import Limits
     from ..store import PrefixStore, open_store
     from .generate import store_key
@@ -183,6 +193,9 @@ def run(args: argparse.Namespace) -> int:
             raise GenerationError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(args, name)}")
     if args.threads is not None and args.threads < 1:
         raise GenerationError(f"--threads must be >= 1, got {args.threads}")
+    chosen = (args.speculative, args.prompt_lookup, args.suffix_draft, args.draft_model) != (None,) * 4
+    if args.speculative is None:
+        args.speculative = 0
     if args.speculative == "suffix":
         args.speculative, args.suffix_draft = 0, args.suffix_draft or DEFAULT_SUFFIX_TOKENS
     check_model_arguments(args)
@@ -195,6 +208,9 @@ def run(args: argparse.Namespace) -> int:
     key = api_key(args)
     served = load_model(args, device)
     served.model.kv_bits = args.kv_bits  # new_cache() builds quantized attention layers (the store's too)
+    draft_rows = None  # a speculation flag drafts at every batch size (as far as it pays)
+    if not chosen and can_speculate(served.model, device):  # the default: prompt lookup where it can roll back
+        speculative, draft_rows = AUTO_DRAFT_TOKENS, AUTO_DRAFT_ROWS
     draft_model = load_drafter(args, served)[0] if args.draft_model else None
     corpus = SuffixCorpus() if args.suffix_draft else None  # one per server: one model, one API key
     namespace = served.identity
@@ -202,6 +218,7 @@ def run(args: argparse.Namespace) -> int:
                   "key": store_key(args)}  # fmt: skip
     store = open_store(args.prefix_store, **store_args) if args.prefix_store else PrefixStore(**store_args)
     engine = Engine(served.model, store, eos=served.eos, speculative=speculative, draft_model=draft_model,
+                    draft_rows=draft_rows,
                     suffix_corpus=corpus, max_batch=args.max_batch, max_step_tokens=args.max_step_tokens)  # fmt: skip
     limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                     max_tokens=args.max_tokens, default_max_tokens=min(args.default_max_tokens, args.max_tokens),

@@ -4,13 +4,13 @@ Each loop turn does, in order: admit newcomers; spend the turn's token budget (`
 less one token per running row) on prefill blocks of the waiting prompts, first come first
 served, each alone through the prefix store (`prefill`: a block is as long as the budget allows,
 not a store chunk; several newcomers may be fed in one turn); hand their first tokens to the web
-side at once; join the requests whose prefill is done into the batch (`rows.stack`); run one decode step for every row (one forward, per-row
-positions and padding mask); hand each row its token; let finished and cancelled rows leave
-(`batch_select_indices`). Every chunk boundary a row's cache reaches is stored
-(`StoreSession.advance`), so the next turn of a chat finds the previous answer; the store's
-encoding and writing run on its background writer. With prompt lookup (`speculative=True`) each
-step drafts per row, verifies all rows in one forward and crops each row by its own count
-(`Cache.crop` with per-row counts).
+side at once; join the requests whose prefill is done into the batch (`rows.stack`); run one
+decode step for every row (one forward, per-row positions and padding mask); hand each row its
+token; let finished and cancelled rows leave (`batch_select_indices`). Every chunk boundary a
+row's cache reaches is stored (`StoreSession.advance`), so the next turn of a chat finds the
+previous answer; the store's encoding and writing run on its background writer. With
+speculation (`speculative=K`) each step drafts per row, verifies all rows in one forward and crops
+each row by its own count (`Cache.crop` with per-row counts).
 
 What goes wrong with one request (a prompt the model cannot take, a sampling failure) ends that
 request alone, with an error event; only a failure of the shared decode forward ends every row.
@@ -99,6 +99,14 @@ def _holds_recurrent_states(model: Any, device: torch.device) -> bool:
     return False
 
 
+def can_speculate(model: Any, device: torch.device) -> bool:
+    """Whether a verify forward's rejected tokens can be rolled back: the model hands kvcache its
+    recurrent states token by token, or holds none (attention, conv windows)."""
+    from ..generation.switches import row_states
+
+    return row_states(model, None)[0] or not _holds_recurrent_states(model, device)
+
+
 class AsyncioSink:
     """An `on_event` that hands the engine's events to `queue` on `loop` (thread-safe). The engine
     collects the events of one turn for every such sink and hands them over in one call per event
@@ -127,13 +135,16 @@ class Engine:
     def __init__(self, model: Any, store: Any, *, eos: list[int], metrics: Metrics | None = None,
                  speculative: int = 0, max_batch: int = MAX_BATCH,
                  max_step_tokens: int = MAX_STEP_TOKENS, draft_model: Any = None,
-                 suffix_corpus: Any = None, draft_schedule: str = "adaptive") -> None:  # fmt: skip
+                 suffix_corpus: Any = None, draft_schedule: str = "adaptive",
+                 draft_rows: int | None = None) -> None:  # fmt: skip
         """`speculative`: draft tokens per row and step (0: none), by prompt lookup, by
         `draft_model` (a model of the same vocabulary; each row drafts with a cache of its own), or
         from `suffix_corpus` (a `SuffixCorpus` every finished request's prompt and answer feeds,
         shared by all requests of this engine: one model, one API key). `draft_schedule`:
         "adaptive" (lookup and suffix drafts fed as far as their matches pay, `DraftGate`) or
-        "constant" (every offered draft fed whole, as a draft model's always are)."""
+        "constant" (every offered draft fed whole, as a draft model's always are). Under the
+        adaptive schedule a step drafts only while the batch holds at most `draft_rows` rows (None:
+        any number)."""
         if draft_schedule not in ("adaptive", "constant"):
             raise CacheInputError(f"draft_schedule must be 'adaptive' or 'constant', got {draft_schedule!r}")
         if draft_model is not None and suffix_corpus is not None:
@@ -149,6 +160,7 @@ class Engine:
         adaptive = speculative and draft_model is None and draft_schedule == "adaptive"
         self.draft_gate = DraftGate(speculative) if adaptive else None
         self.draft_width = 0 if adaptive else speculative  # draft tokens per row the last step fed
+        self.draft_rows = draft_rows
         self.shadow_turn = 0  # the row the next step's shadow proposals start from
         self.metrics = metrics or Metrics()
         self.speculative, self.max_batch, self.max_step_tokens = speculative, max_batch, max_step_tokens
@@ -176,14 +188,13 @@ class Engine:
         if speculative:
             from ..generation.switches import row_states
 
-            able, switch = row_states(model, None)
-            if not able and _holds_recurrent_states(model, self.device):
+            if not can_speculate(model, self.device):
                 raise CacheInputError(
                     f"--speculative: {type(model).__name__} has recurrent layers whose state kvcache cannot take "
                     "token by token in a verify forward, so a rejected draft could not be rolled back; serve it "
                     "without --speculative"
                 )
-            switch(True)  # for the server's lifetime
+            row_states(model, None)[1](True)  # per-token recurrent states, for the server's lifetime
 
     # ------------------------------------------------------------------------- interface
     def start(self) -> None:
@@ -363,11 +374,13 @@ class Engine:
         self._cache, self._rows, self._pads = None, [], []
 
     def _decode_step(self) -> None:
-        if self.speculative:
+        rows_cap = self.draft_rows if self.draft_gate is not None else None
+        if self.speculative and (rows_cap is None or len(self._rows) <= rows_cap):
             from .speculation import speculative_step
 
             speculative_step(self)
             return
+        self.draft_width = 0  # a plain step (or a batch too large to draft for)
         rows, cache = self._rows, self._cache
         assert cache is not None
         ids = torch.tensor([[r.pending] for r in rows], dtype=torch.long, device=self.device)
