@@ -360,7 +360,7 @@ def test_which_models_can_speculate() -> None:
     from test_transformers_models import tiny_model
 
     from kvcache.integrations.transformers import wrap_model
-    from kvcache.serve.engine import can_speculate
+    from kvcache.serve.speculation import can_speculate
 
     cpu = torch.device("cpu")
     assert can_speculate(load_default_model()[0], cpu)
@@ -376,7 +376,7 @@ def test_a_first_token_reaches_the_web_side_before_the_turns_decode_step(bundled
     batch, or a join that copies a long prompt, would delay every newcomer's first token)."""
     import asyncio
 
-    from kvcache.serve.engine import asyncio_sink
+    from kvcache.serve.events import asyncio_sink
 
     model, tokenizer = bundled
     loop = asyncio.new_event_loop()

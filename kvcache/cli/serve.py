@@ -175,8 +175,9 @@ def run(args: argparse.Namespace) -> int:
     from ..devices import resolve_device
     from ..generation import SuffixCorpus
     from ..serve import create_app
-    from ..serve.engine import Engine, can_speculate
+    from ..serve.engine import Engine
     from ..serve.schema import Limits
+    from ..serve.speculation import can_speculate
     from ..store import PrefixStore, open_store
     from .generate import store_key
 

@@ -29,7 +29,8 @@ from starlette.routing import Route
 
 from ..errors import KVCacheError
 from ..generation.sampling import Sampling
-from .engine import Engine, Request, asyncio_sink
+from .engine import Engine, Request
+from .events import asyncio_sink
 from .schema import ApiError, Limits, Params, chat_params, completion_params, parse_json
 from .served import ServedModel
 

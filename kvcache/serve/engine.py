@@ -43,7 +43,9 @@ from ..generation.suffix import SuffixDrafter
 from ..store.payloads import model_module, storable
 from . import prefill
 from . import rows as batch_rows
+from .events import AsyncioSink, deliver
 from .metrics import Metrics
+from .speculation import can_speculate, speculative_step
 
 #: Rows decoded together at most; newcomers wait while the batch is full.
 MAX_BATCH = 32
@@ -81,51 +83,6 @@ class Request:
     def cancel(self) -> None:
         """Ask the engine to drop this request at its next step (a client that went away)."""
         self.cancelled = True
-
-
-def _holds_recurrent_states(model: Any, device: torch.device) -> bool:
-    """Whether `model`'s cache holds a recurrent state after a token (Mamba, gated delta rule):
-    conv windows alone (LFM2's short convolutions) roll back token by token anyway."""
-    cache = model.new_cache()
-    with torch.no_grad():
-        model(torch.zeros(1, 1, dtype=torch.long, device=device), cache=cache,
-              position_ids=torch.zeros(1, 1, dtype=torch.long, device=device))  # fmt: skip
-    for layer in cache:
-        part = getattr(layer, "recurrent", layer)
-        if hasattr(part, "get_recurrent_state") and any(
-            part.get_recurrent_state(s) is not None for s in range(part.num_states)
-        ):  # fmt: skip
-            return True
-    return False
-
-
-def can_speculate(model: Any, device: torch.device) -> bool:
-    """Whether a verify forward's rejected tokens can be rolled back: the model hands kvcache its
-    recurrent states token by token, or holds none (attention, conv windows)."""
-    from ..generation.switches import row_states
-
-    return row_states(model, None)[0] or not _holds_recurrent_states(model, device)
-
-
-class AsyncioSink:
-    """An `on_event` that hands the engine's events to `queue` on `loop` (thread-safe). The engine
-    collects the events of one turn for every such sink and hands them over in one call per event
-    loop (`Engine._flush`): one wake-up of the web server per step, not one per row and token."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:
-        self.loop, self.queue = loop, queue
-
-    def __call__(self, event: tuple[str, Any]) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
-
-
-def asyncio_sink(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> AsyncioSink:
-    return AsyncioSink(loop, queue)
-
-
-def _deliver(items: list[tuple[asyncio.Queue, tuple[str, Any]]]) -> None:
-    for queue, event in items:
-        queue.put_nowait(event)
 
 
 class Engine:
@@ -376,8 +333,6 @@ class Engine:
     def _decode_step(self) -> None:
         rows_cap = self.draft_rows if self.draft_gate is not None else None
         if self.speculative and (rows_cap is None or len(self._rows) <= rows_cap):
-            from .speculation import speculative_step
-
             speculative_step(self)
             return
         self.draft_width = 0  # a plain step (or a batch too large to draft for)
@@ -460,7 +415,7 @@ class Engine:
         """Hand this turn's events to their event loops, one call per loop."""
         outbox, self._outbox = self._outbox, {}
         for loop, items in outbox.items():
-            loop.call_soon_threadsafe(_deliver, items)
+            loop.call_soon_threadsafe(deliver, items)
 
     def finish_early(self, request: Request, reason: str = "stop") -> None:
         """Called from the web side when a stop string appeared: the row leaves at its next step."""

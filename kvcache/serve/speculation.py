@@ -101,3 +101,27 @@ def speculative_step(engine: Any) -> None:
         if request.finish_reason is None:
             keep.append(b)
     engine._keep(keep)
+
+
+def _holds_recurrent_states(model: Any, device: torch.device) -> bool:
+    """Whether `model`'s cache holds a recurrent state after a token (Mamba, gated delta rule):
+    conv windows alone (LFM2's short convolutions) roll back token by token anyway."""
+    cache = model.new_cache()
+    with torch.no_grad():
+        model(torch.zeros(1, 1, dtype=torch.long, device=device), cache=cache,
+              position_ids=torch.zeros(1, 1, dtype=torch.long, device=device))  # fmt: skip
+    for layer in cache:
+        part = getattr(layer, "recurrent", layer)
+        if hasattr(part, "get_recurrent_state") and any(
+            part.get_recurrent_state(s) is not None for s in range(part.num_states)
+        ):  # fmt: skip
+            return True
+    return False
+
+
+def can_speculate(model: Any, device: torch.device) -> bool:
+    """Whether a verify forward's rejected tokens can be rolled back: the model hands kvcache its
+    recurrent states token by token, or holds none (attention, conv windows)."""
+    from ..generation.switches import row_states
+
+    return row_states(model, None)[0] or not _holds_recurrent_states(model, device)
