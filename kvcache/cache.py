@@ -146,19 +146,21 @@ class Cache:
         never cross a quantized layer's block boundary, so that every query sees quantized exactly
         the tokens a one-token step at its position would see, and a quantized cache's outputs do
         not depend on how tokens were grouped into forwards (prompt blocks, verify forwards, store
-        hits, the batch a server puts a request in). One piece for caches without quantized layers
-        and for rows of different lengths (whose blocks their owner aligns)."""
+        hits, the batch a server puts a request in); rows of different lengths are cut at every
+        row's boundaries. One piece for caches without quantized layers."""
         length = check_query_length(length)
         layers = list(self.layers)
         if not layers and self.layer_factory is not None:
             layers = [self.layer_factory()]  # not built yet: as the first update will build them
-        blocks = [layer.forward_block for layer in layers]  # (no walrus: torch.compile traces this)
-        blocks = [block for block in blocks if block]
-        if not blocks or length <= 1 or self.is_ragged:
+        blocked = [layer for layer in layers if layer.forward_block]  # (no walrus: torch.compile traces this)
+        if not blocked or length <= 1:
             return [length]
-        block, past = min(blocks), self.get_seq_length()
-        ends = [*range((past // block + 1) * block, past + length, block), past + length]
-        return [end - start for start, end in zip([past, *ends], ends, strict=False)]
+        block = min(layer.forward_block for layer in blocked)  # type: ignore[type-var]
+        pasts = blocked[0].row_lengths() if self.is_ragged else [self.get_seq_length()]
+        # every row's boundaries: a row of a ragged batch must not cross its own either
+        cuts = sorted({end - past for past in pasts
+                       for end in range((past // block + 1) * block, past + length, block)})  # fmt: skip
+        return [end - start for start, end in zip([0, *cuts], [*cuts, length], strict=True)]
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         """Position of the next query token: the number of tokens seen."""

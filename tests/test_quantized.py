@@ -80,14 +80,16 @@ def feed(layer: QuantizedLayer, naive: Naive, n: int, counter: list[int]) -> Non
     counter[0] += n
     keys = torch.stack([torch.stack([vector(t) for t in row], dim=1) for row in new])  # [B, H, n, D]
     start = layer.get_mask_sizes(n)[1]
-    seen = naive.quantized()  # quantized before the update; the update's own tokens are seen in full precision
+    # each row sees quantized what its own length quantized before the update (a batch of rows as
+    # long as it would), the update's own tokens in full precision
+    seen = [naive.quantized(len(row)) for row in naive.rows]
     out_k, out_v = layer.update(keys, -keys)
     for b, row in enumerate(naive.rows):
         row.extend(new[b])
     for b, row in enumerate(naive.rows):
         for p in range(max(start, 0), len(row)):
-            assert torch.equal(out_k[b, :, p - start], naive.expected(b, p, quantized=seen)), (b, p)
-            assert torch.equal(out_v[b, :, p - start], naive.expected(b, p, -1, seen)), (b, p)
+            assert torch.equal(out_k[b, :, p - start], naive.expected(b, p, quantized=seen[b])), (b, p)
+            assert torch.equal(out_v[b, :, p - start], naive.expected(b, p, -1, seen[b])), (b, p)
 
 
 def check(layer: QuantizedLayer, naive: Naive) -> None:
@@ -203,6 +205,36 @@ def test_what_cannot_be_rolled_back_is_refused_and_changes_nothing():
     older = {k: v for k, v in layer.meta_state.items() if k != "key_groups"}  # saved before per-channel keys
     with pytest.raises(CacheInputError, match="earlier kvcache"):
         QuantizedLayer.from_state(older, layer.state)
+
+
+def _min_max(x: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Plain min-max quantization of `x` in groups along `dim`, read back (float16 scales)."""
+    low, high = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    scale, zero = ((high - low) / (2**bits - 1)).half().float(), low.half().float()
+    return ((x - zero) / torch.where(scale > 0, scale, torch.ones_like(scale))).round().clamp(0, 2**bits - 1) \
+        * scale + zero  # fmt: skip
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_refitted_scales_beat_min_max_and_codes_are_the_nearest(bits):
+    """Against an independent min-max quantizer, per token and per channel, on data with outlier
+    channels: less squared error in all (at most 0.95x; measured 0.59x-0.91x), and every stored
+    code is the level nearest its value for the scale and zero point stored."""
+    g = torch.Generator().manual_seed(bits)
+    x = torch.randn(2, 4, 64, 64, generator=g) * (1 + 4 * (torch.rand(1, 1, 1, 64, generator=g) > 0.9)) \
+        + torch.randn(1, 1, 1, 64, generator=g)  # fmt: skip
+    per_token = dequantize(*quantize(x, bits, 32), bits, 32, x.dtype)
+    per_channel = dequantize_channels(*quantize_channels(x, bits, 16), bits, 16, x.dtype)
+    cases = ((per_token, x.reshape(2, 4, 64, 2, 32), -1), (per_channel, x.reshape(2, 4, 4, 16, 64), -2))
+    for ours, grouped, dim in cases:
+        reference = _min_max(grouped, bits, dim).reshape(x.shape)
+        assert ((ours - x) ** 2).sum() <= 0.95 * ((reference - x) ** 2).sum()
+    data, params = quantize(x, bits, 32)
+    scale, zero = (params[..., :2, None].float(), params[..., 2:, None].float())
+    codes = dequantize(data, torch.cat([torch.ones_like(params[..., :2]), torch.zeros_like(params[..., 2:])], -1),
+                       bits, 32, torch.float32).reshape(2, 4, 64, 2, 32)  # fmt: skip
+    nearest = ((x.reshape(2, 4, 64, 2, 32) - zero) / scale).round().clamp(0, 2**bits - 1)
+    assert torch.equal(codes, nearest)
 
 
 def test_bytes_held_per_token():

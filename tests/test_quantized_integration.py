@@ -48,6 +48,36 @@ def test_speculative_decoding_equals_plain_decoding_with_the_same_quantized_cach
     assert drafted.sequences.tolist() == batched.tolist()
 
 
+@pytest.mark.parametrize("kind", ["full", "hybrid"])
+def test_ragged_rows_of_a_quantized_batch_see_their_own_blocks(kind: str) -> None:
+    """A draft that is right only sometimes leaves the rows of a batch at different lengths; a row
+    longer than the shortest still sees its own blocks quantized (and a verify forward is cut at
+    every row's block boundaries), so the tokens are those of plain batched decoding, k = 1, 3, 5."""
+    from test_speculative_batch import RowSteeredDraft, new_tokens
+
+    from kvcache.generation import ModelDrafter
+
+    model = quantized_target(kind, 4)
+    ids, mask = padded_batch(4, 2, False)
+    plain = new_tokens(generate(model, ids, attention_mask=mask, max_new_tokens=40).sequences, ids.shape[1])
+    for k in (1, 3, 5):
+        out = speculative_generate(model, ModelDrafter(RowSteeredDraft(model, "sometimes")), ids,
+                                   attention_mask=mask, num_draft_tokens=k, max_new_tokens=40)  # fmt: skip
+        assert new_tokens(out.sequences, ids.shape[1]) == plain, k
+
+
+@pytest.mark.parametrize("kind", ["full", "hybrid"])
+def test_what_padding_holds_does_not_reach_a_quantized_row(kind: str) -> None:
+    """Padding shares key blocks with a left-padded row's first tokens: whatever the padding slots
+    hold (here other token ids), the real rows' logits are bitwise the same, so a padding slot
+    cannot move a block's scales."""
+    model = quantized_target(kind, 4)
+    ids, mask = padded_batch(4, 1, False)
+    other = torch.where(mask.bool(), ids, torch.full_like(ids, 7))
+    out = [generate(model, x, attention_mask=mask, max_new_tokens=24, output_scores=True).scores for x in (ids, other)]
+    assert all(torch.equal(a, b) for a, b in zip(*out, strict=True))
+
+
 def test_a_saved_quantized_cache_is_smaller_and_continues_exactly(tmp_path: Path) -> None:
     model, tokenizer = load_default_model()
     ids = torch.tensor([tokenizer.encode("The value of the sequence pattern is the same as the container " * 8)])

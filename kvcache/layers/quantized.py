@@ -16,7 +16,8 @@ quantized since the commit point are kept (`residual - 1 + r` full-precision tok
 recorded ones, as a sliding window keeps `W - 1 + r`); while not recording only the residual is. A
 crop may reach back as long as every token it returns to full precision has its copy. Rows of a
 batch share the quantized part (set by the shortest row) and hold their own full-precision tails,
-so per-row crops move only each row's end.
+so per-row crops move only each row's end; a longer row still sees its own whole blocks quantized
+(from their copies), so what a row sees does not depend on how far the others got.
 
 Attention gets full-precision keys/values: what was quantized before the update dequantized, then
 everything after it, the update's own tokens included, in full precision (as KIVI attends a
@@ -130,9 +131,12 @@ class QuantizedLayer(CacheLayer):
             groups_of(value_states.shape[3], self.group_size)
         visible = self._first_visible()
         seen = self._quantized  # the update's tokens and the residual before them are seen in full precision
+        ahead = self._rows_ahead() if self.is_ragged else {}
         self._fp.append(key_states, value_states)
         self._quantize()
         returned = self._assemble(visible, seen)
+        if ahead:
+            self._seen_as_alone(returned, visible, seen, ahead)
         self._evict()  # after: the queries of this update see the window before them
         return returned
 
@@ -240,6 +244,32 @@ class QuantizedLayer(CacheLayer):
             whole.narrow(2, split - start, longest - split).copy_(fp.narrow(2, split - self._fp_start, longest - split))
             out.append(whole)
         return out[0], out[1]
+
+    def _rows_ahead(self) -> dict[int, int]:
+        """Rows whose own length quantizes more than the shortest row's: row -> tokens it quantizes."""
+        shortest = self._quantized
+        targets = {b: self._target(n) for b, n in enumerate(self.row_lengths())}
+        return {b: q for b, q in targets.items() if q > shortest}
+
+    def _seen_as_alone(self, returned: tuple[torch.Tensor, torch.Tensor], start: int, seen: int,
+                       ahead: dict[int, int]) -> None:  # fmt: skip
+        """A row longer than the shortest sees its own blocks quantized, as it would in a batch of
+        rows as long as it (the quantized part is shared, so they are held in full precision):
+        each such block quantized from its full-precision copy and read back, per row."""
+        fp_keys, fp_values = self._fp.tail(len(self._fp))
+        split = max(seen, start)
+        for b, upto in ahead.items():
+            if upto <= split:
+                continue
+            lo = self._block_floor(split)  # >= the shared quantized part: its copies are held
+            for i, (fp, whole) in enumerate(zip((fp_keys, fp_values), returned, strict=True)):
+                x = fp[b : b + 1].narrow(2, lo - self._fp_start, upto - lo)
+                if i == 0 and self._per_channel:
+                    back = dequantize_channels(*quantize_channels(x, self.bits, self.residual), self.bits,
+                                               self.residual, x.dtype)  # fmt: skip
+                else:
+                    back = dequantize(*quantize(x, self.bits, self._group), self.bits, self._group, x.dtype)
+                whole[b : b + 1].narrow(2, split - start, upto - split).copy_(back.narrow(2, split - lo, upto - split))
 
     # ------------------------------------------------------------------------ rollback
     def row_rollback(self) -> list[int]:

@@ -216,6 +216,12 @@ class SelfAttention(nn.Module):
             raise CacheInputError("a non-causal (encoder) attention layer takes no cache")
         else:
             kv_length, kv_offset = cache.get_mask_sizes(length, self.layer_idx)
+            if attention_mask is not None and attention_mask.shape[1] >= length:
+                # padding's keys/values are held as zeros: attention never reads them, but a
+                # quantized block's scales would, and whatever a padding slot computed (it
+                # differs with the forward's width) must not reach the real tokens sharing it
+                real = attention_mask[:, None, -length:, None].bool()
+                k, v = torch.where(real, k, 0.0), torch.where(real, v, 0.0)
             k, v = cache.update(k, v, self.layer_idx)
             if k.shape[2] != kv_length:
                 raise KVCacheError(
