@@ -103,44 +103,37 @@ def _unpacked_parts(packed: torch.Tensor, bits: int) -> list[torch.Tensor]:
 REFITS = 3
 
 
-def _nearest(g: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: int,
-             pdtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The nearest codes of `g` for `scale` and `zero` (broadcast) as they are stored (`pdtype`)."""
-    scale, zero = scale.to(pdtype), zero.to(pdtype)
+def _nearest(g: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: int) -> torch.Tensor:
+    """The nearest codes (as floats) of `g` for `scale` and `zero` as stored (broadcast)."""
     step = scale.float()
-    safe = torch.where(step > 0, step, torch.ones_like(step))
-    return ((g - zero.float()) / safe).round_().clamp_(0, levels), scale, zero
-
-
-def _refit(x: torch.Tensor, sum_x: torch.Tensor, q: torch.Tensor, dim: int, scale: torch.Tensor,
-           zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The scale and zero point minimizing `sum((x - (q * scale + zero))**2)` along `dim` for the
-    codes `q` (a least-squares line; `x` in float64, `sum_x` its sums), where the codes differ
-    (else the ones given). Sums in float64: each group's figures then come out alike whichever
-    batch of groups it was quantized in."""
-    n = x.shape[dim]
-    codes = q.double()
-    sum_q = codes.sum(dim, keepdim=True)
-    spread = (codes * codes).sum(dim, keepdim=True) - sum_q * sum_q / n
-    covariance = (codes * x).sum(dim, keepdim=True) - sum_q * sum_x / n
-    ok = (spread > 0) & (covariance > 0)
-    fitted = covariance / torch.where(ok, spread, 1.0)
-    new_zero = (sum_x - fitted * sum_q) / n
-    return torch.where(ok, fitted, scale.double()).float(), torch.where(ok, new_zero, zero.double()).float()
+    return (g - zero.float()).div_(torch.where(step > 0, step, 1.0)).round_().clamp_(0, levels)
 
 
 def _codes(g: torch.Tensor, dim: int, bits: int,
            pdtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Codes of `g` in groups along `dim`, with the scale and zero point stored: min-max first,
-    then `REFITS` least-squares refits (codes chosen again after each)."""
+    """Codes of `g` in groups along `dim`, with the scale and zero point stored (`pdtype`): min-max
+    first, then `REFITS` times the least-squares line through (code, value) for the codes chosen,
+    where the codes differ, and the nearest codes again. Sums in float64: a group's figures come
+    out alike whichever batch of groups it was quantized in."""
     levels = (1 << bits) - 1
     low, high = g.amin(dim, keepdim=True), g.amax(dim, keepdim=True)
-    q, scale, zero = _nearest(g, (high - low) / levels, low, levels, pdtype)
+    scale, zero = ((high - low) / levels).to(pdtype), low.to(pdtype)
+    q = _nearest(g, scale, zero, levels)
     if REFITS:
         x = g.double()
-        sum_x = x.sum(dim, keepdim=True)
+        mean_x = x.mean(dim, keepdim=True)
+        centred_x = x - mean_x
     for _ in range(REFITS):
-        q, scale, zero = _nearest(g, *_refit(x, sum_x, q, dim, scale, zero), levels, pdtype)
+        codes = q.double()
+        mean_q = codes.mean(dim, keepdim=True)
+        codes -= mean_q
+        spread = codes.square().sum(dim, keepdim=True)
+        covariance = codes.mul_(centred_x).sum(dim, keepdim=True)
+        fits = covariance > 0  # (then the codes differ: spread > 0)
+        fitted = covariance.div_(spread.clamp_(min=0.25))  # when the codes differ, spread >= 1/2: not clamped
+        scale = torch.where(fits, fitted, scale).to(pdtype)
+        zero = torch.where(fits, mean_x - fitted * mean_q, zero).to(pdtype)
+        q = _nearest(g, scale, zero, levels)
     return q.to(torch.uint8), scale, zero
 
 
