@@ -46,9 +46,8 @@ LAYER_TYPE_BUILDERS: dict[str, Callable[[int | None, int], CacheLayer]] = {
 def build_layer(layer_type: str, *, sliding_window: int | None = None, num_states: int = 1,
                 kv_bits: int | None = None, group_size: int = 64) -> CacheLayer:  # fmt: skip
     """A fresh dynamic layer for `layer_type` (e.g. "full_attention", "sliding_attention"). With
-    `kv_bits` (8, 4 or 2) attention keys/values are quantized, values in groups of `group_size`
-    along head_dim and keys per channel (`QuantizedLayer`, `QuantizedSlidingWindowLayer`; a
-    hybrid's attention part too)."""
+    `kv_bits` (8, 4 or 2) attention keys/values are quantized, per channel in blocks of tokens
+    (`QuantizedLayer`, `QuantizedSlidingWindowLayer`; a hybrid's attention part too)."""
     builder = LAYER_TYPE_BUILDERS.get(layer_type)
     if builder is None:
         raise CacheInputError(f"unknown layer type {layer_type!r}; known: {sorted(LAYER_TYPE_BUILDERS)}")

@@ -43,9 +43,10 @@ def naive_quantized(tokens: tuple[int, ...], bits: int, group: int, sign: int, p
 
 
 class Naive:
-    def __init__(self, window: int | None, bits: int, group: int, key_groups: str = "channel") -> None:
+    def __init__(self, window: int | None, bits: int, group: int, groups: str = "channel/channel") -> None:
         self.rows: list[list[int]] = [[] for _ in range(BATCH)]
-        self.window, self.bits, self.group, self.key_groups = window, bits, group, key_groups
+        self.window, self.bits, self.group = window, bits, group
+        self.key_groups, self.value_groups = groups.split("/")
 
     def quantized(self, shortest: int | None = None) -> int:
         shortest = min(len(r) for r in self.rows) if shortest is None else shortest
@@ -54,10 +55,10 @@ class Naive:
     def expected(self, b: int, p: int, sign: int = 1, quantized: int | None = None) -> torch.Tensor:
         if p >= (self.quantized() if quantized is None else quantized):
             return sign * vector(self.rows[b][p])
-        if sign == 1 and self.key_groups == "channel":  # the key's block, quantized per channel
+        if (self.key_groups if sign == 1 else self.value_groups) == "channel":  # its block, per channel
             first = p // RESIDUAL * RESIDUAL
             block = tuple(self.rows[b][first : first + RESIDUAL])
-            return naive_quantized(block, self.bits, self.group, 1, True)[:, p - first]
+            return naive_quantized(block, self.bits, self.group, sign, True)[:, p - first]
         return naive_quantized((self.rows[b][p],), self.bits, self.group, sign, False)[:, 0]
 
     def block(self, b: int, first: int) -> torch.Tensor:
@@ -69,10 +70,10 @@ class Naive:
         return max(shortest - (self.window - 1), 0) if self.window else 0
 
 
-def make(window: int | None, bits: int, key_groups: str = "channel") -> QuantizedLayer:
-    if window:
-        return QuantizedSlidingWindowLayer(window, bits=bits, group_size=32, residual=RESIDUAL, key_groups=key_groups)
-    return QuantizedLayer(bits=bits, group_size=32, residual=RESIDUAL, key_groups=key_groups)
+def make(window: int | None, bits: int, groups: str = "channel/channel") -> QuantizedLayer:
+    keys, values = groups.split("/")
+    kw = {"bits": bits, "group_size": 32, "residual": RESIDUAL, "key_groups": keys, "value_groups": values}
+    return QuantizedSlidingWindowLayer(window, **kw) if window else QuantizedLayer(**kw)
 
 
 def feed(layer: QuantizedLayer, naive: Naive, n: int, counter: list[int]) -> None:
@@ -115,9 +116,15 @@ def check(layer: QuantizedLayer, naive: Naive) -> None:
                     data, params = quantize(vector(naive.rows[b][p]), naive.bits, naive.group)
                     assert torch.equal(held["keys_q"][b, :, p - q_start], data)
                     assert torch.equal(held["params_k"][b, :, p - q_start], params)
-                data, params = quantize(-vector(naive.rows[b][p]), naive.bits, naive.group)
-                assert torch.equal(held["values_q"][b, :, p - q_start], data)
-                assert torch.equal(held["params_v"][b, :, p - q_start], params)
+                if naive.value_groups == "channel":
+                    if p % RESIDUAL == 0:
+                        data, params = quantize_channels(-naive.block(b, p), naive.bits, RESIDUAL)
+                        assert torch.equal(held["values_q"][b, :, p - q_start : p - q_start + RESIDUAL], data)
+                        assert torch.equal(held["params_v"][b, :, p - q_start : p - q_start + RESIDUAL], params)
+                else:
+                    data, params = quantize(-vector(naive.rows[b][p]), naive.bits, naive.group)
+                    assert torch.equal(held["values_q"][b, :, p - q_start], data)
+                    assert torch.equal(held["params_v"][b, :, p - q_start], params)
 
 
 def roundtrip(layer: QuantizedLayer, tmp_path, step: int) -> QuantizedLayer:
@@ -126,13 +133,14 @@ def roundtrip(layer: QuantizedLayer, tmp_path, step: int) -> QuantizedLayer:
     return load_cache(path).layers[0]
 
 
-@pytest.mark.parametrize("key_groups", ["channel", "token"])
+@pytest.mark.parametrize("groups", ["channel/channel", "channel/token", "token/token"])
 @pytest.mark.parametrize("bits", [8, 4, 2])
 @pytest.mark.parametrize("window", [None, WINDOW], ids=["full", "sliding"])
 @pytest.mark.parametrize("seed", range(2))
-def test_random_runs_match_the_naive_rows(bits, window, seed, key_groups, tmp_path):
+def test_random_runs_match_the_naive_rows(bits, window, seed, groups, tmp_path):
+    """Keys and values each per channel (in blocks) or per token, `groups` = "keys/values"."""
     rng = random.Random(seed)
-    layer, naive, counter = make(window, bits, key_groups), Naive(window, bits, 32, key_groups), [1]
+    layer, naive, counter = make(window, bits, groups), Naive(window, bits, 32, groups), [1]
     feed(layer, naive, rng.randint(1, 6), counter)
     for step in range(60):
         op = rng.choice(["feed", "feed", "feed", "record", "uniform", "ragged", "commit", "copy", "select", "save"])
@@ -158,15 +166,15 @@ def test_random_runs_match_the_naive_rows(bits, window, seed, key_groups, tmp_pa
             feed(layer, naive, 3, counter)
 
 
-@pytest.mark.parametrize("key_groups", ["channel", "token"])
+@pytest.mark.parametrize("groups", ["channel/channel", "channel/token", "token/token"])
 @pytest.mark.parametrize("window", [None, WINDOW], ids=["full", "sliding"])
-def test_a_crop_into_tokens_quantized_while_recording_is_exact(window, key_groups):
+def test_a_crop_into_tokens_quantized_while_recording_is_exact(window, groups):
     """Recording from 6 tokens, 40 more one at a time (quantizing blocks on the way), then crop(-n)
     for every n the layer allows: each lands on a different place of a key block and of a residual
     block (first token, middle, last, a block just quantized), and the layer equals one fed the
     kept tokens at once, quantized data and full-precision part, and answers the next update alike."""
     keys = torch.stack([vector(t) for t in range(47)], dim=1)[None]
-    layer = make(window, 4, key_groups)
+    layer = make(window, 4, groups)
     layer.update(keys[:, :, :6], -keys[:, :, :6])
     layer.activate_past_recording()
     for t in range(6, 46):
@@ -176,7 +184,7 @@ def test_a_crop_into_tokens_quantized_while_recording_is_exact(window, key_group
         cropped = layer.copy()
         cropped.crop(-n)
         cropped.crop(0)  # commit: drop the full-precision copies recording kept
-        fresh = make(window, 4, key_groups)
+        fresh = make(window, 4, groups)
         fresh.update(keys[:, :, : 46 - n], -keys[:, :, : 46 - n])
         mine, theirs = cropped.state, fresh.state
         bookkeeping = ("record_past", "seq_length_at_commit")  # recording stays on after the commit
@@ -197,9 +205,17 @@ def test_what_cannot_be_rolled_back_is_refused_and_changes_nothing():
         with pytest.raises(RollbackError):
             layer.crop(bad)
     assert layer.meta_state == before[1] and all(torch.equal(layer.state[k], v) for k, v in before[0].items())
-    for bad in ({"bits": 3}, {"group_size": 48}, {"residual": 0}, {"key_groups": "head"}, {"key_groups": None}):
-        with pytest.raises(CacheInputError):
+    for bad in ({"bits": 3}, {"group_size": 48}, {"residual": 0}, {"key_groups": "head"}, {"key_groups": None},
+                {"value_groups": "row"}, {"value_groups": 1}):  # fmt: skip
+        with pytest.raises(CacheInputError, match=next(iter(bad))):
             QuantizedLayer(**bad)
+    per_token = make(None, 4, "channel/token")
+    per_token.update(keys, -keys)
+    saved = {k: v for k, v in per_token.meta_state.items() if k != "value_groups"}  # saved before per-channel values
+    loaded = QuantizedLayer.from_state(saved, per_token.state)
+    assert loaded.value_groups == "token" and all(torch.equal(loaded.state[k], v) for k, v in per_token.state.items())
+    with pytest.raises(CacheInputError, match="do not fit"):  # per-token value parameters read as per channel
+        QuantizedLayer.from_state({**saved, "value_groups": "channel"}, per_token.state)
     with pytest.raises(CacheInputError):
         make(None, 8).update(keys.to(torch.int64), keys.to(torch.int64))
     older = {k: v for k, v in layer.meta_state.items() if k != "key_groups"}  # saved before per-channel keys
@@ -238,14 +254,13 @@ def test_refitted_scales_beat_min_max_and_codes_are_the_nearest(bits):
 
 
 def test_bytes_held_per_token():
-    """Values in groups of 64 hold `bits / 8 + 4 / 64` bytes per value (float16 scales and zero
-    points included): 1.0625 at int8, 0.5625 at int4, 0.3125 at int2; keys per token the same, keys
-    per channel in blocks of 16 tokens `bits / 8 + 4 / 16`; plus the full-precision residual."""
-    for key_groups in ("channel", "token"):
+    """Per token in groups of 64 along head_dim: `bits / 8 + 4 / 64` bytes per value (float16
+    scales and zero points included): 1.0625 at int8, 0.5625 at int4, 0.3125 at int2; per channel
+    in blocks of 16 tokens `bits / 8 + 4 / 16`; plus the full-precision residual."""
+    for key_groups, value_groups in (("channel", "channel"), ("channel", "token"), ("token", "token")):
         for bits in (8, 4, 2):
-            value = bits / 8 + 4 / 64
-            key = bits / 8 + (4 / 16 if key_groups == "channel" else 4 / 64)
-            layer = QuantizedLayer(bits=bits, group_size=64, key_groups=key_groups)
+            key, value = (bits / 8 + (4 / 16 if g == "channel" else 4 / 64) for g in (key_groups, value_groups))
+            layer = QuantizedLayer(bits=bits, group_size=64, key_groups=key_groups, value_groups=value_groups)
             keys = torch.randn(1, 2, 4096 + 12, 64, dtype=torch.float16)
             layer.update(keys, keys)
             held = layer.state

@@ -63,9 +63,9 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--prefix-store-bytes", type=int, default=1 << 30, metavar="N",
                         help="the store's byte budget (default 1 GiB); least recently used prefixes go first")
     parser.add_argument("--kv-bits", type=int, choices=(8, 4, 2), default=None,
-                        help="quantize the attention cache to 8, 4 or 2 bits (keys per channel in blocks of 16 "
-                        "tokens, values per token in groups of 64 along head_dim; the most recent 32 to 63 tokens "
-                        "stay in full precision); default: full precision")
+                        help="quantize the attention cache to 8, 4 or 2 bits (keys and values per channel in "
+                        "blocks of 16 tokens; the block being filled stays in full precision); default: full "
+                        "precision")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for torch (default: torch's, one per core)")
     parser.set_defaults(func=run, flag_names=FLAG_NAMES)  # fmt: skip

@@ -1,13 +1,13 @@
 """Asymmetric integer quantization of keys and values: per token, or per channel in token blocks.
 
-Values are always quantized token by token: each token's vector of `head_dim` values (per batch
-row and head) is cut into groups of `group_size`, each stored as unsigned integers of `bits` bits
-with its own scale and zero point (`x ~ q * scale + zero`, `q = round((x - zero) / scale)`,
-starting from `scale = (max - min) / (2**bits - 1)`, `zero = min` and refitted by least squares:
-`REFITS`). Keys are either quantized the same way (`"token"`) or, as
-KIVI (Liu et al., 2024) does, per channel (`"channel"`): a block of `block` consecutive tokens
-shares one scale and zero point per channel, so the few channels whose keys are persistently
-large get a scale of their own instead of stretching everyone else's.
+Per token (`"token"`), each token's vector of `head_dim` numbers (per batch row and head) is cut
+into groups of `group_size`, each stored as unsigned integers of `bits` bits with its own scale
+and zero point (`x ~ q * scale + zero`, `q = round((x - zero) / scale)`, starting from
+`scale = (max - min) / (2**bits - 1)`, `zero = min` and refitted by least squares: `REFITS`). Per
+channel (`"channel"`, as KIVI (Liu et al., 2024) quantizes keys), a block of `block` consecutive
+tokens shares one scale and zero point per channel, so the channels that are persistently large
+(or persistently offset) get a scale of their own instead of stretching everyone else's. Keys
+and values each take either.
 
 Values narrower than a byte are packed along the last dimension: a group's (or, per channel, a
 token's) values are cut into `8 // bits` contiguous parts, part i in bits `[i * bits, (i + 1) *
@@ -43,11 +43,12 @@ def check_quant(bits: object, group_size: object) -> tuple[int, int]:
     return int(bits), int(group_size)  # type: ignore[call-overload]
 
 
-def check_key_groups(key_groups: object) -> str:
-    """`"channel"` (per-channel scales in blocks of tokens) or `"token"` (as values)."""
-    if key_groups not in KEY_GROUPS or not isinstance(key_groups, str):
-        raise CacheInputError(f"key_groups must be 'channel' or 'token', got {key_groups!r}")
-    return key_groups
+def check_groups(groups: object, what: str = "key_groups") -> str:
+    """`"channel"` (per-channel scales in blocks of tokens) or `"token"` (groups along head_dim),
+    for `what` (`key_groups` or `value_groups`)."""
+    if groups not in KEY_GROUPS or not isinstance(groups, str):
+        raise CacheInputError(f"{what} must be 'channel' or 'token', got {groups!r}")
+    return groups
 
 
 def groups_of(head_dim: int, group_size: int) -> int:

@@ -39,7 +39,7 @@ from .dynamic import nonneg_int, record_past_flag
 from .kv_buffer import KVBuffer
 from .quant import (
     channel_param_width,
-    check_key_groups,
+    check_groups,
     check_quant,
     data_width,
     dequantize,
@@ -63,20 +63,22 @@ def _check_residual(residual: Any) -> int:
 @register_layer
 class QuantizedLayer(CacheLayer):
     """Every key/value seen, quantized to `bits` (8, 4 or 2) by blocks of `residual` tokens, except
-    the block being filled (module docstring). Values are quantized per token in groups of
-    `group_size` along head_dim; keys per channel, one scale per channel and block
-    (`key_groups="channel"`, KIVI's scheme, the default: better than per token on the bundled
-    model at every width in `benchmarks/quantized.py`, and no worse on random ones) or as values
-    are (`"token"`)."""
+    the block being filled (module docstring). Keys and values are each quantized per channel,
+    one scale and zero point per channel and block (`key_groups`/`value_groups="channel"`, the
+    defaults: KIVI's scheme for keys; for values too, measured better than per token at every
+    width on the bundled model and the random ones in `benchmarks/quantized.py`, at 0.19 more
+    bytes per value than groups of 64) or per token in groups of `group_size` along head_dim
+    (`"token"`: KIVI's scheme for values)."""
 
     crops_rows = True
 
     def __init__(self, bits: int = 8, group_size: int = 64, residual: int = DEFAULT_RESIDUAL,
-                 key_groups: str = "channel") -> None:  # fmt: skip
+                 key_groups: str = "channel", value_groups: str = "channel") -> None:  # fmt: skip
         super().__init__()
         self.bits, self.group_size = check_quant(bits, group_size)
         self.residual = _check_residual(residual)
-        self.key_groups = check_key_groups(key_groups)
+        self.key_groups = check_groups(key_groups, "key_groups")
+        self.value_groups = check_groups(value_groups, "value_groups")
         self._reset()
 
     def _reset(self) -> None:
@@ -159,8 +161,8 @@ class QuantizedLayer(CacheLayer):
         if target > begin:
             lo, hi = begin - self._fp_start, target - self._fp_start
             keys, values = (t.narrow(2, lo, hi - lo) for t in self._fp.tail(len(self._fp)))
-            qk, pk = self._quantize_keys(keys)
-            qv, pv = quantize(values, self.bits, self._group)
+            qk, pk = self._quantize_part(keys, self._per_channel[0])
+            qv, pv = self._quantize_part(values, self._per_channel[1])
             self._q.append(qk, qv)
             self._p.append(pk, pv)
         self._quantized = target
@@ -171,19 +173,27 @@ class QuantizedLayer(CacheLayer):
         return self.residual
 
     @property
-    def _per_channel(self) -> bool:
-        return self.key_groups == "channel"
+    def _per_channel(self) -> tuple[bool, bool]:
+        """Whether keys (0) and values (1) are quantized per channel in blocks of tokens."""
+        return self.key_groups == "channel", self.value_groups == "channel"
 
-    def _quantize_keys(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys of whole blocks (per channel) or of any tokens (per token), quantized."""
-        if self._per_channel:
-            return quantize_channels(keys, self.bits, self.residual)
-        return quantize(keys, self.bits, self._group)
+    def _quantize_part(self, x: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys or values of whole blocks (per channel) or of any tokens (per token), quantized."""
+        if per_channel:
+            return quantize_channels(x, self.bits, self.residual)
+        return quantize(x, self.bits, self._group)
+
+    def _read_back(self, x: torch.Tensor, per_channel: bool) -> torch.Tensor:
+        """`x` quantized and dequantized (what the layer would hold of it)."""
+        data, params = self._quantize_part(x, per_channel)
+        if per_channel:
+            return dequantize_channels(data, params, self.bits, self.residual, x.dtype)
+        return dequantize(data, params, self.bits, self._group, x.dtype)
 
     def _block_floor(self, position: int) -> int:
-        """The start of `position`'s key block: tokens are dropped and kept by whole blocks when
-        keys are quantized per channel (a block is quantized from all its tokens)."""
-        return position // self.residual * self.residual if self._per_channel else position
+        """The start of `position`'s block: tokens are dropped and kept by whole blocks when keys or
+        values are quantized per channel (a block is quantized from all its tokens)."""
+        return position // self.residual * self.residual if any(self._per_channel) else position
 
     def _dequantize(self, i: int, start: int, stop: int, out: torch.Tensor) -> None:
         """Quantized keys (`i` 0) or values (1) of positions `[start, stop)` into `out`."""
@@ -193,7 +203,7 @@ class QuantizedLayer(CacheLayer):
             n = self._quantized - first
             return self._q.tail(n)[i].narrow(2, 0, stop - first), self._p.tail(n)[i].narrow(2, 0, stop - first)
 
-        if i == 1 or not self._per_channel:
+        if not self._per_channel[i]:
             dequantize(*held(start), bits, self._group, dtype, out=out)
             return
         first = self._block_floor(start)  # a window may start inside a block: it is dequantized whole
@@ -263,12 +273,7 @@ class QuantizedLayer(CacheLayer):
                 continue
             lo = self._block_floor(split)  # >= the shared quantized part: its copies are held
             for i, (fp, whole) in enumerate(zip((fp_keys, fp_values), returned, strict=True)):
-                x = fp[b : b + 1].narrow(2, lo - self._fp_start, upto - lo)
-                if i == 0 and self._per_channel:
-                    back = dequantize_channels(*quantize_channels(x, self.bits, self.residual), self.bits,
-                                               self.residual, x.dtype)  # fmt: skip
-                else:
-                    back = dequantize(*quantize(x, self.bits, self._group), self.bits, self._group, x.dtype)
+                back = self._read_back(fp[b : b + 1].narrow(2, lo - self._fp_start, upto - lo), self._per_channel[i])
                 whole[b : b + 1].narrow(2, split - start, upto - split).copy_(back.narrow(2, split - lo, upto - split))
 
     # ------------------------------------------------------------------------ rollback
@@ -366,7 +371,7 @@ class QuantizedLayer(CacheLayer):
     @property
     def meta_state(self) -> dict[str, Any]:
         meta: dict[str, Any] = {"bits": self.bits, "group_size": self.group_size, "residual": self.residual,
-                                "key_groups": self.key_groups,
+                                "key_groups": self.key_groups, "value_groups": self.value_groups,
                                 "seq_length": self._longest(), "full_precision_from": self._fp_start,
                                 "quantized_from": self._q_start, "quantized": self._quantized,
                                 "record_past": self._recording}  # fmt: skip
@@ -379,7 +384,8 @@ class QuantizedLayer(CacheLayer):
         if "key_groups" not in meta_state:
             raise CacheInputError(f"{cls.__name__} saved by an earlier kvcache: quantized layers are laid out "
                                   "differently since per-channel keys; create the cache again")  # fmt: skip
-        return {k: meta_state.get(k) for k in ("bits", "group_size", "residual", "key_groups")}
+        params = {k: meta_state.get(k) for k in ("bits", "group_size", "residual", "key_groups")}
+        return {**params, "value_groups": meta_state.get("value_groups", "token")}  # saved before: per token
 
     @classmethod
     def from_state(cls, meta_state: dict[str, Any], state: dict[str, torch.Tensor]) -> Self:
@@ -417,10 +423,11 @@ class QuantizedLayer(CacheLayer):
             data_k, data_v, pk, pv = (state[k] for k in ("keys_q", "values_q", "params_k", "params_v"))
             dim, lead = keys.shape[3], (*keys.shape[:2], n)
             width, groups = data_width(dim, layer.bits), 2 * dim // layer._group
-            key_params = channel_param_width(dim, layer.residual) if layer._per_channel else groups
+            key_params, value_params = (channel_param_width(dim, layer.residual) if per_channel else groups
+                                        for per_channel in layer._per_channel)  # fmt: skip
             ok = (data_k.dtype == data_v.dtype == torch.uint8 and tuple(data_k.shape) == (*lead, width)
                   and data_v.shape == data_k.shape and tuple(pk.shape) == (*lead, key_params)
-                  and tuple(pv.shape) == (*lead, groups) and pk.dtype == pv.dtype
+                  and tuple(pv.shape) == (*lead, value_params) and pk.dtype == pv.dtype
                   and pk.is_floating_point())  # fmt: skip
             if not ok:
                 raise CacheInputError(f"{name}: quantized tensors do not fit {layer.bits}-bit keys of "

@@ -26,11 +26,12 @@ class QuantizedSlidingWindowLayer(QuantizedLayer):
     is_sliding = True
 
     def __init__(self, sliding_window: int, bits: int = 8, group_size: int = 64,
-                 residual: int = DEFAULT_RESIDUAL, key_groups: str = "channel") -> None:  # fmt: skip
+                 residual: int = DEFAULT_RESIDUAL, key_groups: str = "channel",
+                 value_groups: str = "channel") -> None:  # fmt: skip
         if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
             raise CacheInputError(f"sliding_window must be a positive int, got {sliding_window!r}")
         self.sliding_window = sliding_window
-        super().__init__(bits, group_size, residual, key_groups)
+        super().__init__(bits, group_size, residual, key_groups, value_groups)
 
     def _reset(self) -> None:
         super()._reset()

@@ -38,7 +38,8 @@ def _describe(payload: Payload, prefix: str, tensors: dict[str, torch.Tensor]) -
         for name, tensor in payload.tensors.items():
             tensors[f"{prefix}{name}"] = tensor
         return {"kind": "quant", "bits": payload.bits, "group_size": payload.group_size, "residual": payload.residual,
-                "window": payload.window, "tokens": payload.tokens, "key_groups": payload.key_groups}  # fmt: skip
+                "window": payload.window, "tokens": payload.tokens, "key_groups": payload.key_groups,
+                "value_groups": payload.value_groups}  # fmt: skip
     if isinstance(payload, HybridPayload):
         return {
             "kind": "hybrid",
@@ -58,11 +59,12 @@ def _restore(desc: Any, prefix: str, tensors: dict[str, torch.Tensor], used: set
     kind = desc["kind"]
     if kind == "quant":
         numbers = [desc[n] for n in ("bits", "group_size", "residual", "window", "tokens")]
-        if any(isinstance(n, bool) or not isinstance(n, int) for n in numbers) or desc["key_groups"] not in (
-                "channel", "token"):  # fmt: skip
-            raise TypeError(f"quantization parameters {numbers!r}, keys per {desc['key_groups']!r}")
+        groups = [desc["key_groups"], desc.get("value_groups", "token")]  # stored before: values per token
+        if any(isinstance(n, bool) or not isinstance(n, int) for n in numbers) or any(
+                g not in ("channel", "token") for g in groups):  # fmt: skip
+            raise TypeError(f"quantization parameters {numbers!r}, keys and values per {groups!r}")
         names = ("data_k", "data_v", "params_k", "params_v", "residual_k", "residual_v")
-        return QuantDelta(*(take(f"{prefix}{n}") for n in names), *numbers, desc["key_groups"])
+        return QuantDelta(*(take(f"{prefix}{n}") for n in names), *numbers, *groups)
     if kind in ("window", "delta"):
         keys, values = take(f"{prefix}keys"), take(f"{prefix}values")
         if kind == "delta":

@@ -260,7 +260,7 @@ def kind_of(layer: CacheLayer) -> str:
     """A layer's kind and parameters, for the layout fingerprint (shapes come from the model)."""
     if isinstance(layer, HybridLayer):
         return f"Hybrid({kind_of(layer.attention)},{kind_of(layer.recurrent)})"
-    names = ("sliding_window", "num_states", "bits", "group_size", "residual", "key_groups")
+    names = ("sliding_window", "num_states", "bits", "group_size", "residual", "key_groups", "value_groups")
     params = {k: getattr(layer, k) for k in names if hasattr(layer, k)}
     return f"{type(layer).__name__}{sorted(params.items())}"
 

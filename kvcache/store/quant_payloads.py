@@ -41,6 +41,7 @@ class QuantDelta:
     window: int = 0  # 0: full attention
     tokens: int = 0
     key_groups: str = "channel"
+    value_groups: str = "token"  # (entries stored before per-channel values were per token)
 
     @property
     def nbytes(self) -> int:
@@ -82,13 +83,18 @@ class _Layout:
         return min(max(self.quantized(start), self.quantized_from(end)), stop), stop
 
 
+def _blocked(residual: int, key_groups: str, value_groups: str) -> int:
+    """Tokens are kept by whole blocks when keys or values are quantized per channel."""
+    return residual if "channel" in (key_groups, value_groups) else 1
+
+
 def _layout(layer: QuantizedLayer) -> _Layout:
     window = layer.sliding_window if type(layer) is QuantizedSlidingWindowLayer else 0
-    return _Layout(layer.residual, window, layer.residual if layer.key_groups == "channel" else 1)
+    return _Layout(layer.residual, window, _blocked(layer.residual, layer.key_groups, layer.value_groups))
 
 
 def _layout_of(delta: QuantDelta) -> _Layout:
-    return _Layout(delta.residual, delta.window, delta.residual if delta.key_groups == "channel" else 1)
+    return _Layout(delta.residual, delta.window, _blocked(delta.residual, delta.key_groups, delta.value_groups))
 
 
 def quantized_capturable(layer: object, chunk: int) -> bool:
@@ -113,14 +119,15 @@ def capture_quantized(layer: QuantizedLayer, start: int, end: int) -> QuantDelta
     else:
         pdtype = param_dtype(fp_k.dtype)
         groups = 2 * dim // layer._group
-        key_params = channel_param_width(dim, layer.residual) if layer.key_groups == "channel" else groups
+        key_params, value_params = (channel_param_width(dim, layer.residual) if groups_of_part == "channel" else groups
+                                    for groups_of_part in (layer.key_groups, layer.value_groups))  # fmt: skip
         widths = ((data_width(dim, layer.bits), torch.uint8), (data_width(dim, layer.bits), torch.uint8),
-                  (key_params, pdtype), (groups, pdtype))  # fmt: skip
+                  (key_params, pdtype), (value_params, pdtype))  # fmt: skip
         parts = [fp_k.new_empty(1, heads, 0, width, dtype=dtype) for width, dtype in widths]
     res_from = layout.full_precision_from(end) - layer._fp_start
     residual = [t.narrow(2, res_from, t.shape[2] - res_from).clone() for t in (fp_k, fp_v)]
     return QuantDelta(*parts, *residual, layer.bits, layer.group_size, layer.residual, layout.window,
-                      end - start, layer.key_groups)  # fmt: skip
+                      end - start, layer.key_groups, layer.value_groups)  # fmt: skip
 
 
 def rebuild_quantized(path: list[QuantDelta], device: torch.device | None) -> QuantizedLayer:
@@ -136,7 +143,7 @@ def rebuild_quantized(path: list[QuantDelta], device: torch.device | None) -> Qu
             first = low if first is None else first
             pieces.append(p)
     meta = {"bits": last.bits, "group_size": last.group_size, "residual": last.residual,
-            "key_groups": last.key_groups, "seq_length": end,
+            "key_groups": last.key_groups, "value_groups": last.value_groups, "seq_length": end,
             "full_precision_from": layout.full_precision_from(end), "quantized_from": q_start,
             "quantized": quantized, "record_past": False}  # fmt: skip
     state = {"keys": last.residual_k.to(device), "values": last.residual_v.to(device)}
@@ -153,7 +160,7 @@ def rebuild_quantized(path: list[QuantDelta], device: torch.device | None) -> Qu
 
 def check_quantized(payload: QuantDelta, ref: QuantDelta, chunks: int) -> str | None:
     """None when `payload` is the model's quantized layer after `chunks` chunks (`ref`: after one)."""
-    params = ("bits", "group_size", "residual", "window", "tokens", "key_groups")
+    params = ("bits", "group_size", "residual", "window", "tokens", "key_groups", "value_groups")
     if any(getattr(payload, n) != getattr(ref, n) for n in params):
         mine, theirs = ([getattr(x, n) for n in params] for x in (payload, ref))
         return f"quantization {mine}, the model's is {theirs}"
