@@ -186,12 +186,35 @@ def test_decoder_bad_inputs_raise_and_leave_the_cache_unchanged():
         dict(input_ids=tokens(2, 3), attention_mask=torch.ones(2, 3, dtype=torch.long)),  # should be past + 3
         dict(input_ids=tokens(2, 3), position_ids=torch.zeros(2, 4, dtype=torch.long)),
         dict(input_ids=torch.zeros(2, 0, dtype=torch.long)),
+        dict(input_ids=tokens(2, 3), logits_to_keep=-1),
+        dict(input_ids=tokens(2, 3), logits_to_keep=True),
+        dict(input_ids=tokens(2, 3), logits_to_keep=1.0),
     ]
     for call in bad_calls:
         ids = call.pop("input_ids")
         with pytest.raises(CacheInputError):
             model(ids, cache=cache, **call)
         assert cache.get_seq_length() == 5 and all(layer.get_seq_length() == 5 for layer in cache.layers)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("keep", [1, 3, 12])
+def test_decoder_logits_to_keep_returns_the_last_positions_and_fills_the_same_cache(keep):
+    """`logits_to_keep=k` runs the head on the last k positions only. The layers compute what they
+    compute without it (same shapes), so the cache is the same bit for bit (a next step's logits
+    are equal); the head's matmul has fewer rows, so its sums may block differently (float64
+    here: equal to 1e-12)."""
+    model = decoder().double()
+    ids, mask = tokens(2, 12), torch.ones(2, 12, dtype=torch.long)
+    mask[1, :3] = 0  # a left-padded row
+    full_cache, kept_cache = model.new_cache(), model.new_cache()
+    full = model(ids, cache=full_cache, attention_mask=mask)
+    kept = model(ids, cache=kept_cache, attention_mask=mask, logits_to_keep=keep)
+    assert kept.shape == (2, keep, VOCAB)
+    assert torch.allclose(kept, full[:, -keep:], rtol=0, atol=1e-12)
+    step, step_mask = tokens(2, 1, seed=5), torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
+    assert torch.equal(model(step, cache=full_cache, attention_mask=step_mask),
+                       model(step, cache=kept_cache, attention_mask=step_mask))  # fmt: skip
 
 
 # --------------------------------------------------------------------------- encoder-decoder

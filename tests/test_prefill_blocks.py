@@ -47,3 +47,42 @@ def test_bad_arguments_are_refused_and_change_nothing(block, end) -> None:
     assert cache.get_seq_length() == 64
     after = [t for layer in cache.layers for t in layer.state.values()]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+class _Recording:
+    """A protocol model that names `logits_to_keep` and records what each forward asked for."""
+
+    def __init__(self, model: DecoderLM) -> None:
+        self.model, self.vocab_size, self.asked = model, model.vocab_size, []
+
+    def new_cache(self):
+        return self.model.new_cache()
+
+    def __call__(self, input_ids, *, logits_to_keep: int = 0, **kwargs):
+        self.asked.append((input_ids.shape[1], logits_to_keep))
+        return self.model(input_ids, logits_to_keep=logits_to_keep, **kwargs)
+
+
+def test_prefills_compute_the_head_on_one_position() -> None:
+    """`prefill_blocks` (whose logits nobody reads) and `generate`'s prompt forward ask for the last
+    position's logits only; decode steps feed one token. The tokens are those of a model that
+    cannot skip the head (a plain callable without the parameter: the caller slices)."""
+    from kvcache.generation import generate
+
+    model = _model().double()  # float64: the two heads' last bits cannot flip a greedy token
+    ids = torch.randint(0, 50, (1, 200), generator=torch.Generator().manual_seed(4))
+    recording = _Recording(model)
+    prefill_blocks(recording, ids, recording.new_cache(), block=64, end=192)
+    assert recording.asked == [(64, 1)] * 3
+    recording.asked.clear()
+    out = generate(recording, ids, max_new_tokens=5).sequences
+    assert recording.asked[0] == (200, 1) and {keep for n, keep in recording.asked[1:]} == {0}
+
+    class Plain:  # the protocol without logits_to_keep
+        vocab_size = model.vocab_size
+        new_cache = model.new_cache
+
+        def __call__(self, input_ids, **kwargs):
+            return model(input_ids, **kwargs)
+
+    assert torch.equal(generate(Plain(), ids, max_new_tokens=5).sequences, out)

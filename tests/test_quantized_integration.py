@@ -176,6 +176,41 @@ def test_a_forward_sees_what_single_steps_see_quantized(kind: str, monkeypatch) 
     assert _one_forward_against_steps(model, cache_of, ids) > 1e-4
 
 
+@pytest.mark.parametrize("kind", ["decoder", "transformers"])
+def test_logits_to_keep_over_pieces_returns_the_tail(kind: str) -> None:
+    """A forward cut in pieces (`Cache.forward_segments`) with `logits_to_keep=k` returns the last
+    k positions' logits, however many pieces they span, and fills the cache as a forward without it
+    (a next step's logits are equal). Float64: the head over fewer rows sums alike to 1e-12."""
+    if kind == "decoder":
+        model = load_default_model(dtype=torch.float64)[0]
+        model.kv_bits = 4
+        cache_of, vocab = model.new_cache, model.vocab_size
+    else:
+        pytest.importorskip("transformers", minversion="5.24")
+        from test_transformers_models import tiny_model
+
+        from kvcache.integrations.transformers import cache_from_config, wrap_model
+
+        model = wrap_model(tiny_model("llama").double())
+        cache_of, vocab = (lambda: cache_from_config(model.config, kv_bits=4)), 128
+    ids = torch.randint(3, vocab, (1, 50), generator=torch.Generator().manual_seed(3))
+    step = torch.tensor([[5]])
+    with torch.no_grad():
+        full_cache = cache_of()
+        full = model(ids, cache=full_cache)
+        after_full = model(step, cache=full_cache)
+        for keep in (1, 2, 17, 34, 50):
+            cache = cache_of()
+            kept = model(ids, cache=cache, logits_to_keep=keep)
+            assert kept.shape == (1, keep, vocab)
+            assert torch.allclose(kept, full[:, -keep:], rtol=0, atol=1e-12), keep
+            assert torch.equal(model(step, cache=cache), after_full), keep
+        fresh = cache_of()
+        with pytest.raises(CacheInputError, match="logits_to_keep"):
+            model(ids, cache=fresh, logits_to_keep=-2)
+        assert fresh.get_seq_length() == 0
+
+
 def test_the_command_line_quantizes_with_kv_bits(tmp_path: Path) -> None:
     def run(*args: str) -> str:
         argv = [sys.executable, "-m", "kvcache", "generate", "The value of the ", "--temperature", "0",

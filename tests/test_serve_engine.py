@@ -416,6 +416,31 @@ def test_a_first_token_reaches_the_web_side_before_the_turns_decode_step(bundled
     assert seen_at_decode and seen_at_decode[0], seen_at_decode
 
 
+class KeepRecordingModel(CountingModel):
+    """The model, recording the `logits_to_keep` each forward asked for (a parameter it names, so
+    callers may pass it: `kvcache.protocol.takes_logits_to_keep`)."""
+
+    def __call__(self, ids, logits_to_keep: int = 0, **kwargs):
+        self.fed.append((tuple(ids.shape), logits_to_keep))
+        return self.inner(ids, logits_to_keep=logits_to_keep, **kwargs)
+
+
+def test_prefills_ask_for_the_last_positions_logits_only(bundled) -> None:
+    """Prefill forwards (a group of cold prompts, a long prompt in blocks) compute the head on one
+    position per row; decode steps are one position anyway. The answers are each prompt's alone."""
+    model, tokenizer = bundled
+    recording = KeepRecordingModel(model)
+    engine = Engine(recording, PrefixStore(chunk_size=16), eos=[], max_step_tokens=64, speculative=0)
+    prompts = [prompt_ids(tokenizer, i, n) for i, n in enumerate((9, 14, 150))]
+    requests, _ = serve_greedy(engine, prompts, 6)
+    prefills = [(shape, keep) for shape, keep in recording.fed if shape[1] > 1]
+    assert {keep for _, keep in prefills} == {1}
+    assert any(shape[0] == 2 for shape, _ in prefills) and any(shape[1] == 48 for shape, _ in prefills)
+    assert {keep for shape, keep in recording.fed if shape[1] == 1} == {0}
+    for prompt, request in zip(prompts, requests, strict=True):
+        assert request.tokens == alone(model, prompt, 6)
+
+
 def test_cold_newcomers_are_prefilled_together_and_store_what_they_computed(bundled) -> None:
     """Eight cold prompts of 9 to 60 tokens arriving together are prefilled in one forward (left
     padded to the longest): every answer equals its prompt decoded alone, and every chunk boundary

@@ -10,6 +10,7 @@ import torch
 
 from ..cache import Cache
 from ..errors import GenerationError
+from ..protocol import last_logits
 
 
 def whole_blocks(length: int, block: int) -> int:
@@ -32,9 +33,10 @@ def prefill_blocks(model: Any, input_ids: torch.Tensor, cache: Cache, *, block: 
             f"end ({end}) and the cache's length ({start}) must be multiples of block ({block}), with "
             f"the cache's length <= end <= the prompt's {input_ids.shape[1]} tokens", param="end"
         )
+    keep = last_logits(model)  # the logits are not used: the head runs on one position
     with torch.no_grad():
         for at in range(start, end, block):
-            model(input_ids[:, at : at + block], cache=cache)
+            model(input_ids[:, at : at + block], cache=cache, **keep)
             if progress is not None:
                 progress.update(block)
     return cache

@@ -19,6 +19,7 @@ import torch
 from ..cache import Cache
 from ..encoder_decoder import EncoderDecoderCache
 from ..errors import GenerationError
+from ..protocol import last_logits
 from . import inputs
 from .recovery import StreamCounter, recover, settle
 from .sampling import Sampling
@@ -174,13 +175,13 @@ def _run(
         if max_new_tokens == 0:
             if past < length - 1:
                 mask = None if full_mask is None else full_mask[:, : length - 1]
-                forward(tokens[:, past : length - 1], mask, positions[:, past : length - 1])
+                forward(tokens[:, past : length - 1], mask, positions[:, past : length - 1], last=True)
             settle(cache, recording_on_entry)
             if streamer is not None:
                 streamer.end()
             return GenerationOutput(tokens, () if output_scores else None, cache)
         mask = None if full_mask is None else full_mask[:, :length]
-        logits = forward(tokens[:, past:], mask, positions[:, past:length])[:, -1]
+        logits = forward(tokens[:, past:], mask, positions[:, past:length], last=True)[:, -1]
 
         stop = _stop_check(cache, defer_stop, batch, device, recording_on_entry, sampling, generator, streamer)
         remember(stop)
@@ -245,19 +246,22 @@ def _forward_fn(
     model: Any, cache: Cache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, encoder_decoder: bool,
     session: Any = None,
 ) -> Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]:  # fmt: skip
-    """`forward(new_tokens, attention_mask, position_ids) -> logits`, appending to `cache` (and
-    telling the prefix store's `session` of the tokens fed)."""
+    """`forward(new_tokens, attention_mask, position_ids, last=False) -> logits`, appending to
+    `cache` (and telling the prefix store's `session` of the tokens fed). With `last`, only the
+    last position's logits are asked for where the model can skip the rest (a prefill)."""
+    keep = {} if encoder_decoder else last_logits(model)
     if session is not None:
-        def stored(ids: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor) -> torch.Tensor:
-            logits = model(ids, cache=cache, attention_mask=mask, position_ids=pos)
+        def stored(ids: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor, last: bool = False) -> torch.Tensor:
+            logits = model(ids, cache=cache, attention_mask=mask, position_ids=pos, **(keep if last else {}))
             session.after_forward(cache, ids)
             return logits
 
         return stored
     if not encoder_decoder:
-        return lambda ids, mask, pos: model(ids, cache=cache, attention_mask=mask, position_ids=pos)
+        return lambda ids, mask, pos, last=False: model(ids, cache=cache, attention_mask=mask, position_ids=pos,
+                                                        **(keep if last else {}))  # fmt: skip
     encoded = model.encode(input_ids, attention_mask)
-    return lambda ids, mask, pos: model(
+    return lambda ids, mask, pos, last=False: model(
         ids, cache=cache, encoder_hidden_states=encoded, encoder_attention_mask=attention_mask,
         attention_mask=mask, position_ids=pos,
     )  # fmt: skip

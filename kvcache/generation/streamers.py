@@ -8,6 +8,8 @@ from typing import Any, Protocol, TextIO, runtime_checkable
 
 import torch
 
+from .detokenize import Detokenizer
+
 
 @runtime_checkable
 class Streamer(Protocol):
@@ -45,28 +47,29 @@ class TextStreamer:
         self.tokenizer = tokenizer
         self.file = file
         self.skip = {int(t) for t in skip_token_ids}
-        self.token_ids: list[int] = []
+        self.detokenizer = Detokenizer(tokenizer.decode)
         self.printed = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The ids streamed so far (since the last `end`)."""
+        return self.detokenizer.tokens
 
     def put(self, token_ids: torch.Tensor) -> None:
         ids = token_ids.reshape(-1).tolist()
         if len(ids) != 1:
             raise ValueError(f"TextStreamer streams one sequence, got a batch of {len(ids)}")
         if ids[0] not in self.skip:
-            self.token_ids.append(int(ids[0]))
-            self._emit(final=False)
+            self._emit(self.detokenizer.add([int(ids[0])]))
 
     def end(self) -> None:
-        self._emit(final=True)
+        self._emit(self.detokenizer.finish())
         out = self.file if self.file is not None else sys.stdout
         out.write("\n")
         out.flush()
-        self.token_ids, self.printed = [], 0
+        self.detokenizer, self.printed = Detokenizer(self.tokenizer.decode), 0
 
-    def _emit(self, *, final: bool) -> None:
-        text = self.tokenizer.decode(self.token_ids)
-        if not final and text.endswith("\ufffd"):
-            return
+    def _emit(self, text: str) -> None:
         if len(text) > self.printed:
             out = self.file if self.file is not None else sys.stdout
             out.write(text[self.printed :])

@@ -11,7 +11,7 @@ from transformers import PreTrainedModel
 from ..cache import Cache
 from ..errors import CacheInputError
 from ..layers.recurrent import RecurrentLayer
-from ..models.modules import in_pieces
+from ..models.modules import check_logits_to_keep, in_pieces
 from .hf_cache import as_transformers_cache
 from .hf_config import cache_from_config
 from .hf_recurrence import MIXER_CLASSES, PerTokenRecurrence
@@ -63,6 +63,7 @@ class TransformersCausalLM(_GenerationDefaults):
         self.vocab_size = _vocab_size(model)
         params = _forward_params(model)
         self._takes_position_ids = "position_ids" in params
+        self._takes_logits_to_keep = "logits_to_keep" in params
         self._mask_per_new_token = all(isinstance(layer, RecurrentLayer) for layer in self.new_cache().layers)
         self._per_token = PerTokenRecurrence(model)
 
@@ -100,13 +101,15 @@ class TransformersCausalLM(_GenerationDefaults):
         cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
         **model_kwargs: Any,
     ) -> torch.Tensor:
+        check_logits_to_keep(logits_to_keep)
         pieces = cache.forward_segments(input_ids.shape[1]) if isinstance(cache, Cache) else []
         past = cache.get_seq_length() if len(pieces) > 1 else 0  # type: ignore[union-attr]
         if len(pieces) > 1 and (attention_mask is None or attention_mask.shape[1] == past + input_ids.shape[1]):
             return in_pieces(self.__call__, pieces, input_ids, cache, attention_mask, position_ids, past,
-                             **model_kwargs)
+                             logits_to_keep, **model_kwargs)  # fmt: skip
         if attention_mask is not None and self._mask_per_new_token:
             attention_mask = attention_mask[:, -input_ids.shape[1] :]
         elif cache is not None and cache.is_ragged:
@@ -119,7 +122,10 @@ class TransformersCausalLM(_GenerationDefaults):
             kwargs["use_cache"] = False
         else:
             kwargs.update(cache=as_transformers_cache(cache), use_cache=True)
-        return self.model(input_ids=input_ids, **kwargs).logits
+        if logits_to_keep and self._takes_logits_to_keep:
+            kwargs["logits_to_keep"] = logits_to_keep
+        logits = self.model(input_ids=input_ids, **kwargs).logits
+        return logits[:, -logits_to_keep:] if logits_to_keep else logits
 
 
 #: Layer types whose mask is only a padding mask over the new tokens (gated delta rule, LFM2's short

@@ -17,6 +17,7 @@ from .modules import (
     SelfAttention,
     check_inputs,
     check_layer_types,
+    check_logits_to_keep,
     default_position_ids,
     in_pieces,
     init_weights,
@@ -127,13 +128,18 @@ class DecoderLM(nn.Module):
         cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
     ) -> torch.Tensor:
+        """Logits of the new tokens `input_ids` `[batch, new]` (of the last `logits_to_keep` of
+        them, when not 0), appending to `cache`."""
         past_length = cache.get_seq_length() if cache is not None else 0
         check_inputs(input_ids, self.vocab_size, attention_mask, position_ids, past_length)
+        check_logits_to_keep(logits_to_keep)
         batch, length = input_ids.shape
         pieces = cache.forward_segments(length) if cache is not None else [length]
         if len(pieces) > 1:
-            return in_pieces(self.forward, pieces, input_ids, cache, attention_mask, position_ids, past_length)
+            return in_pieces(self.forward, pieces, input_ids, cache, attention_mask, position_ids, past_length,
+                             logits_to_keep)  # fmt: skip
         rows_past = past_lengths(cache, input_ids.device)  # per row once a per-row crop left them ragged
         if position_ids is None:
             position_ids = default_position_ids(batch, length, rows_past, attention_mask, input_ids.device)
@@ -141,4 +147,6 @@ class DecoderLM(nn.Module):
         masks: dict[tuple, torch.Tensor] = {}  # attention masks this forward's layers share
         for block in self.layers:
             x = block(x, position_ids, cache=cache, past_length=rows_past, attention_mask=attention_mask, masks=masks)
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
         return self.lm_head(self.norm(x))

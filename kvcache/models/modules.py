@@ -115,17 +115,31 @@ def check_inputs(
 
 def in_pieces(forward: Any, pieces: list[int], input_ids: torch.Tensor, cache: Any,
               attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, past: int,
-              **kwargs: Any) -> torch.Tensor:  # fmt: skip
+              logits_to_keep: int = 0, **kwargs: Any) -> torch.Tensor:  # fmt: skip
     """`forward` run on consecutive pieces of `input_ids` (`Cache.forward_segments`), each with its
-    part of the mask and positions; the logits of all, concatenated."""
+    part of the mask and positions; the logits of all (of the last `logits_to_keep`, when not 0),
+    concatenated. A piece whose positions are all dropped computes one position's logits only."""
     out, start = [], 0
+    first_kept = input_ids.shape[1] - logits_to_keep if logits_to_keep else 0
     for n in pieces:
         mask = None if attention_mask is None else attention_mask[:, : past + start + n]
         positions = None if position_ids is None else position_ids[:, start : start + n]
-        out.append(forward(input_ids[:, start : start + n], cache=cache, attention_mask=mask, position_ids=positions,
-                           **kwargs))  # fmt: skip
+        wanted = start + n - max(first_kept, start)  # this piece's positions that are returned
+        keep = {"logits_to_keep": 1 if wanted <= 0 else wanted} if logits_to_keep and wanted < n else {}
+        logits = forward(input_ids[:, start : start + n], cache=cache, attention_mask=mask, position_ids=positions,
+                         **keep, **kwargs)  # fmt: skip
+        if wanted > 0:
+            out.append(logits)
         start += n
     return torch.cat(out, dim=1)
+
+
+def check_logits_to_keep(logits_to_keep: Any) -> int:
+    """`logits_to_keep` as transformers takes it (the last k positions' logits; 0: all), or
+    `CacheInputError` naming the value."""
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+        raise CacheInputError(f"logits_to_keep must be an int >= 0 (0 keeps every position), got {logits_to_keep!r}")
+    return logits_to_keep
 
 
 def past_lengths(cache: Any, device: torch.device) -> int | torch.Tensor:

@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..errors import KVCacheError
+from ..generation.detokenize import Detokenizer
 from ..generation.sampling import Sampling
 from .engine import Engine, Request
 from .events import asyncio_sink
@@ -48,6 +49,7 @@ class Completion:
         self.finish_reason: str | None = None
         self.text = ""
         self.tokens: list[int] = []  # as the events brought them: the engine may be a step ahead
+        self.detokenizer = Detokenizer(served.decode)
 
     async def deltas(self) -> AsyncIterator[str]:
         """The new text after each token (possibly empty pieces are skipped); `finish_reason` is
@@ -57,22 +59,25 @@ class Completion:
         try:
             while True:
                 kind, value = await self.queue.get()
+                fresh = []
                 # tokens that came together make one piece (a stop string is looked for token by token)
                 while kind == "token" and not self.stops and not self.queue.empty():
-                    self.tokens.append(value)
+                    fresh.append(value)
                     kind, value = self.queue.get_nowait()
+                self.tokens += fresh
                 if kind == "error":
                     raise ApiError(500, f"generation failed: {value}")
                 if kind == "unavailable":
                     raise ApiError(503, str(value))
                 if kind == "done":
                     self.finish_reason = "stop" if value == "stop" else "length" if value == "length" else value
-                    self.text = self.served.decode(self.tokens)
+                    self.detokenizer.add(fresh)
+                    self.text = self.detokenizer.finish()
                     if sent < len(self.text):
                         yield self.text[sent:]
                     return
                 self.tokens.append(value)
-                text = self.served.decode(self.tokens)
+                text = self.detokenizer.add([*fresh, value])
                 cut = min((i for s in self.stops if (i := text.find(s, max(0, sent - len(s)))) >= 0), default=-1)
                 if cut >= 0:
                     self.text, self.finish_reason = text[:cut], "stop"

@@ -26,6 +26,7 @@ import torch
 from ..layers.dynamic import DynamicLayer
 from ..layers.empty import EmptyLayer
 from ..layers.sliding import SlidingWindowLayer
+from ..protocol import last_logits
 from ..store.payloads import capture_back, prefill_span
 from . import rows as batch_rows
 
@@ -67,7 +68,7 @@ def feed(engine: Any, request: Any, budget: int) -> tuple[int, torch.Tensor | No
     windows = [layer for layer in cache if type(layer) is SlidingWindowLayer] if n > chunk else []
     for layer in windows:  # keep the block's tokens past the window until its chunks are taken
         layer.activate_past_recording()
-    logits = engine.model(ids, cache=cache, position_ids=positions)
+    logits = engine.model(ids, cache=cache, position_ids=positions, **last_logits(engine.model))
     session.fed(n, lambda s, e: [capture_back(layer, s, e, end) for layer in cache])
     for layer in windows:
         layer.record_past = False  # commit: the window evicts what it no longer needs
@@ -116,7 +117,8 @@ def feed_together(engine: Any, requests: list[Any]) -> list[torch.Tensor]:
     windows = [layer for layer in cache if type(layer) is SlidingWindowLayer] if width > engine.store.chunk_size else []
     for layer in windows:  # keep the block's tokens past the window until its chunks are taken
         layer.activate_past_recording()
-    logits = engine.model(ids, cache=cache, attention_mask=mask, position_ids=positions)[:, -1]
+    logits = engine.model(ids, cache=cache, attention_mask=mask, position_ids=positions,
+                          **last_logits(engine.model))[:, -1]  # fmt: skip
     for b, (request, pad) in enumerate(zip(requests, pads, strict=True)):
         held = len(request.prompt)
         request.session.fed(held, lambda s, e, b=b, pad=pad, held=held: batch_rows.row_payloads_back(

@@ -33,6 +33,7 @@ from ..layers.hybrid import HybridLayer
 from ..layers.kv_buffer import KVBuffer
 from ..layers.quantized import QuantizedLayer
 from ..layers.sliding import SlidingWindowLayer
+from ..protocol import last_logits
 from .quant_payloads import QuantDelta, capture_quantized, check_quantized, quantized_capturable, rebuild_quantized
 
 
@@ -252,7 +253,7 @@ def reference_payloads(model: Any, cache: Any, chunk_size: int) -> list[Payload]
     device = next((p.device for p in model_module(model).parameters()), None) if model_module(model) else None
     ids = torch.zeros(1, chunk_size, dtype=torch.long, device=device)
     with torch.no_grad():
-        model(ids, cache=cache, position_ids=torch.arange(chunk_size, device=device)[None])
+        model(ids, cache=cache, position_ids=torch.arange(chunk_size, device=device)[None], **last_logits(model))
     return [capture(layer, 0, chunk_size) for layer in cache]
 
 

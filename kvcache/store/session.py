@@ -24,6 +24,7 @@ import xxhash
 
 from ..cache import Cache
 from ..errors import CacheFormatError, CacheInputError, GenerationError, KVCacheError
+from ..protocol import last_logits
 from . import codec
 from .backends import Entry
 from .identity import fingerprint
@@ -180,7 +181,8 @@ class StoreSession:
             end = start + self.chunk
             ids = torch.tensor([tokens[start:end]], dtype=torch.long, device=self.device)
             with torch.no_grad():
-                self.model(ids, cache=cache, position_ids=torch.arange(start, end, device=self.device)[None])
+                self.model(ids, cache=cache, position_ids=torch.arange(start, end, device=self.device)[None],
+                           **last_logits(self.model))  # fmt: skip
             self.length = end
             self._store_boundary(lambda s, e: [capture(layer, s, e) for layer in cache], heal=True)
             yield reused, cache
