@@ -526,3 +526,57 @@ def test_newcomers_whose_rows_padding_would_change_are_prefilled_one_at_a_time(b
     assert not [s for s in counting.fed if s[0] > 1 and s[1] > 1]  # no forward of several prompts
     for prompt, request in zip(prompts, requests, strict=True):
         assert request.tokens == alone(model, prompt, 5)
+
+
+@pytest.mark.parametrize("kind", ["bundled", "gemma3"])
+def test_newcomers_that_continue_cached_prefixes_are_prefilled_together(bundled, kind: str, tmp_path) -> None:
+    """Eight prompts that share a stored 64-token preamble and end in questions of 5 to 40 tokens
+    arrive together: their rests go through one forward (the hits' caches stacked, the rests
+    right-padded), every answer equals its prompt decoded alone, and the chunk boundaries inside
+    the rests are stored with what a forward of the prompt alone computes (windows of 32 and, in a
+    transformers Gemma3, of 6 tokens, where a chunk is kept as a snapshot of the window), so a
+    third pass reuses them and answers the same."""
+    model, tokenizer = bundled
+    lengths = (5, 40, 17, 9, 33, 16, 12, 25)
+    if kind == "gemma3":
+        from serve_kit import tiny_model_dir
+
+        from kvcache.models.text_model import from_directory
+
+        model = from_directory(tiny_model_dir(tmp_path / "gemma3", "gemma3"), torch.float64).model
+        lengths = (5, 16, 3, 9, 12, 16, 1, 11)  # a window of 6 takes blocks of one chunk
+    counting = CountingModel(model)
+    store = PrefixStore(chunk_size=16)
+    engine = Engine(counting, store, eos=[], max_step_tokens=512, speculative=0)
+    preamble = [t % 300 for t in prompt_ids(tokenizer, 99, 64)]
+    prompts = [preamble + [t % 300 for t in prompt_ids(tokenizer, i, n)] for i, n in enumerate(lengths)]
+    engine.start()
+    try:
+        run_requests(engine, [Request(prompt=[*preamble, 5], max_tokens=1, sampling=Sampling(False))])
+        counting.fed.clear()
+        hits = [Request(prompt=p, max_tokens=6, sampling=Sampling(False)) for p in prompts]
+        run_requests(engine, hits)
+        grouped = list(counting.fed)
+        again = [Request(prompt=p, max_tokens=6, sampling=Sampling(False)) for p in prompts]
+        run_requests(engine, again)
+    finally:
+        engine.stop()
+    width = max(lengths)
+    prefills = [shape for shape in grouped if shape[1] > 1]  # one forward for the rests, padded to the longest
+    assert prefills in ([(8, width)], [(1, 16), (8, width)]), prefills  # (and the store's first check of its entries)
+    for prompt, a, b in zip(prompts, hits, again, strict=True):
+        want = alone(model, prompt, 6)
+        assert a.tokens == want and b.tokens == want
+        assert a.cached_tokens == 64 and b.cached_tokens == (len(prompt) - 1) // 16 * 16
+    for prompt in prompts:
+        reference = model.new_cache()
+        reference.activate_past_recording()
+        model(torch.tensor([prompt]), cache=reference, position_ids=torch.arange(len(prompt))[None])
+        for boundary in range(80, len(prompt) + 1, 16):
+            reused, cache = store.lookup([*prompt[:boundary], 0], counting)
+            assert reused == boundary
+            for got, want in zip(cache, reference, strict=True):
+                held = got.state["keys"].shape[2]
+                for name in ("keys", "values"):
+                    expected = want.state[name][:, :, boundary - held : boundary]
+                    torch.testing.assert_close(got.state[name], expected, rtol=0, atol=1e-10)

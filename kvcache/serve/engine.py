@@ -224,8 +224,9 @@ class Engine:
 
     def _prefill_turn(self) -> None:
         """Spend this turn's budget on the waiting prompts, in order of arrival, as many as there
-        are free rows for: the cold prompts that fit one forward together first (`prefill.group_of`),
-        then the rest one by one. The first prompt is fed at least one chunk, so prefills always move."""
+        are free rows for: the prompts whose rest fits one forward together first (`prefill.group_of`:
+        cold ones, or ones that continue cached prefixes), then the rest one by one. The first
+        prompt is fed at least one chunk, so prefills always move."""
         budget = self.max_step_tokens - len(self._rows) * (1 + self.draft_width)
         slots = self.max_batch - len(self._rows) - len(self._ready)
         waiting = []
@@ -238,14 +239,15 @@ class Engine:
                 self._drop_failed(request, exc)
         group = prefill.group_of(self, waiting, budget)
         if len(group) > 1:
+            width = max(len(r.prompt) - r.session.length for r in group)
             try:
-                outputs = prefill.feed_together(self, group)
+                outputs = prefill.feed_group(self, group)
             except Exception:  # the group's forward: each member is prefilled alone instead
                 traceback.print_exc()
                 for request in group:
                     request.alone, request.session, request.rows = True, None, None
             else:
-                budget -= len(group) * max(len(r.prompt) for r in group)
+                budget -= len(group) * width
                 waiting = [r for r in waiting if r not in group]
                 for request, logits in zip(group, outputs, strict=True):
                     try:

@@ -14,7 +14,9 @@ Newcomers whose whole prompt is computed in one block and that found nothing in 
 prefilled together (`feed_together`): one forward of their prompts left-padded to the longest, as
 the running batch pads its rows, instead of one forward each. A forward costs far more than its
 tokens on a small batch (a 15-token prompt alone costs about what 32 decode rows do), so a burst
-of newcomers gets its first tokens in one forward's time.
+of newcomers gets its first tokens in one forward's time. Newcomers that continue cached prefixes
+(a shared system prompt found in the store) are prefilled together too (`feed_past_together`):
+their caches stacked, the rests of their prompts right-padded.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 from ..layers.dynamic import DynamicLayer
 from ..layers.empty import EmptyLayer
 from ..layers.sliding import SlidingWindowLayer
-from ..protocol import last_logits
+from ..protocol import last_logits, takes_logits_to_keep
 from ..store.payloads import capture_back, prefill_span
 from . import rows as batch_rows
 
@@ -83,23 +85,28 @@ def groupable(model: Any) -> bool:
 
 
 def group_of(engine: Any, waiting: list[Any], budget: int) -> list[Any]:
-    """The newcomers of `waiting` (looked up, in order of arrival) to prefill together this turn:
-    those of which nothing was fed yet (the store had nothing, no block went in) and whose whole
-    prompt fits one block of the model's layers, as many as fit `budget` padded to the longest
-    (none for a model that is not `groupable`)."""
+    """The newcomers of `waiting` (looked up, in order of arrival) to prefill together this turn,
+    as many as fit `budget` padded to the longest, the rest of whose prompt fits one block of the
+    model's layers: the cold ones (nothing found in the store, nothing fed yet) where there are two
+    or more, else those that continue a cached prefix. None for a model that is not `groupable`."""
     if not engine.group_prefill:
         return []
+    eligible = [r for r in waiting if not r.alone and len(r.prompt) - r.session.length <= engine.block_limit]
+    cold = [r for r in eligible if not r.session.length]
     group: list[Any] = []
     width = 0
-    for request in waiting:
-        n = len(request.prompt)
-        if request.alone or request.session.length or n > engine.block_limit:
-            continue
+    for request in cold if len(cold) > 1 else [r for r in eligible if r.session.length]:
+        n = len(request.prompt) - request.session.length
         if max(width, n) * (len(group) + 1) > budget:
             break
         group.append(request)
         width = max(width, n)
     return group
+
+
+def feed_group(engine: Any, requests: list[Any]) -> list[torch.Tensor]:
+    """Prefill a `group_of` in one forward (`feed_together` or `feed_past_together`)."""
+    return (feed_past_together if requests[0].session.length else feed_together)(engine, requests)
 
 
 def feed_together(engine: Any, requests: list[Any]) -> list[torch.Tensor]:
@@ -128,3 +135,36 @@ def feed_together(engine: Any, requests: list[Any]) -> list[torch.Tensor]:
     for b, (request, pad) in enumerate(zip(requests, pads, strict=True)):
         request.cache, request.rows = None, [batch_rows.row_state(layer, b, pad) for layer in cache]
     return [logits[b : b + 1] for b in range(len(requests))]
+
+
+def feed_past_together(engine: Any, requests: list[Any]) -> list[torch.Tensor]:
+    """Prefill the rest of the prompts of `requests`, which continue cached prefixes (a store hit,
+    or blocks fed earlier), in one forward instead of one each: their caches stacked as the running
+    batch stacks rows (right-aligned, left padding), the rests right-padded to the longest. Each
+    row's real tokens stay contiguous (a sliding window sees the distances it would alone); what a
+    row's padding computes lies after its last token, where no query of the row looks, and is left
+    out of its row state. Stores each prompt's chunk boundaries; gives each request `rows`.
+    Returns each one's last logits `[1, vocab]`."""
+    device = engine.device
+    cache, pads = batch_rows.stack([batch_rows.single(r.cache) for r in requests])
+    past = [r.session.length for r in requests]
+    rests = [r.prompt[held:] for r, held in zip(requests, past, strict=True)]
+    width, physical = max(map(len, rests)), cache.get_seq_length()
+    ids = torch.tensor([rest + [0] * (width - len(rest)) for rest in rests], dtype=torch.long, device=device)
+    positions = torch.tensor(past, device=device)[:, None] + torch.arange(width, device=device)
+    mask = (torch.arange(physical + width, device=device)[None] >= torch.tensor(pads, device=device)[:, None]).long()
+    for layer in cache:
+        if type(layer) is SlidingWindowLayer:  # keeps every row's tokens, whatever a longer row fed after them
+            layer.activate_past_recording()
+    keep = width - min(map(len, rests)) + 1  # the columns holding some row's last token
+    kwargs = {"logits_to_keep": keep} if takes_logits_to_keep(engine.model) else {}
+    logits = engine.model(ids, cache=cache, attention_mask=mask, position_ids=positions, **kwargs)[:, -keep:]
+    out = []
+    for b, (request, pad, held) in enumerate(zip(requests, pads, past, strict=True)):
+        end = held + len(rests[b])  # the row's real tokens: physical slots [pad, pad + end)
+        request.session.fed(len(rests[b]), lambda s, e, b=b, pad=pad, end=end: (
+            batch_rows.held_payloads(cache, b, pad, s, e) if e < end
+            else batch_rows.row_payloads(cache, b, pad, s, e, pad + end)))  # fmt: skip
+        request.cache, request.rows = None, [batch_rows.row_state(layer, b, pad, pad + end) for layer in cache]
+        out.append(logits[b : b + 1, len(rests[b]) - 1 - (width - keep)])
+    return out

@@ -36,11 +36,12 @@ RowState = tuple[str, dict[str, Any], dict[str, torch.Tensor]]
 QUANTIZED = ("QuantizedLayer", "QuantizedSlidingWindowLayer")
 
 
-def row_state(layer: CacheLayer, r: int, pad: int) -> RowState:
+def row_state(layer: CacheLayer, r: int, pad: int, end: int | None = None) -> RowState:
     """Row `r` of `layer` (committed) as a batch-1 layer of its real tokens (the physical slots
-    after its `pad` padding ones); tensors are views."""
+    after its `pad` padding ones, up to the row's length or the physical slot `end`: what a forward
+    put after it is not the row's); tensors are views."""
     if isinstance(layer, HybridLayer):
-        parts = {name: row_state(getattr(layer, name), r, pad) for name in ("attention", "recurrent")}
+        parts = {name: row_state(getattr(layer, name), r, pad, end) for name in ("attention", "recurrent")}
         state = {f"{name}.{k}": v for name, (_, _, s) in parts.items() for k, v in s.items()}
         meta = {name: {"class": cls, "meta_state": m} for name, (cls, m, _) in parts.items()}
         return "HybridLayer", meta, state
@@ -49,7 +50,7 @@ def row_state(layer: CacheLayer, r: int, pad: int) -> RowState:
     if isinstance(layer, QuantizedRows):  # each row is its own layer already
         row = layer.rows[r]
         return type(row).__name__, row.meta_state, row.state
-    length = layer.row_lengths()[r]  # physical: padding included
+    length = layer.row_lengths()[r] if end is None else end  # physical: padding included
     real = length - pad
     if type(layer) is SlidingWindowLayer:
         meta, held = layer.meta_state, layer.state
@@ -82,17 +83,18 @@ def row_state(layer: CacheLayer, r: int, pad: int) -> RowState:
     raise CacheInputError(f"a server batch holds dynamic layers only, not {type(layer).__name__}")
 
 
-def row_layer(layer: CacheLayer, r: int, pad: int) -> CacheLayer:
-    """Row `r` of `layer` as a batch-1 layer of its own (copies)."""
-    cls, meta, state = row_state(layer, r, pad)
+def row_layer(layer: CacheLayer, r: int, pad: int, end: int | None = None) -> CacheLayer:
+    """Row `r` of `layer` as a batch-1 layer of its own (copies; `end` as `row_state` takes it)."""
+    cls, meta, state = row_state(layer, r, pad, end)
     return LAYER_REGISTRY[cls].from_state(meta, {k: v.clone() for k, v in state.items()})
 
 
-def row_payloads(cache: Cache, r: int, pad: int, start: int, end: int) -> list[Payload]:
+def row_payloads(cache: Cache, r: int, pad: int, start: int, end: int, stop: int | None = None) -> list[Payload]:
     """What the prefix store keeps for row `r`'s chunk `[start, end)` (the row holding exactly
-    `end` real tokens): as `payloads.capture` takes it from a batch-1 cache, without copying more
-    than the chunk of a full-attention layer."""
-    return [_row_payload(layer, r, pad, start, end) for layer in cache]
+    `end` real tokens, up to the physical slot `stop` where a forward fed it more): as
+    `payloads.capture` takes it from a batch-1 cache, without copying more than the chunk of a
+    full-attention layer."""
+    return [_row_payload(layer, r, pad, start, end, stop) for layer in cache]
 
 
 def row_payloads_back(cache: Cache, r: int, pad: int, start: int, end: int, held: int) -> list[Payload]:
@@ -101,6 +103,13 @@ def row_payloads_back(cache: Cache, r: int, pad: int, start: int, end: int, held
     token, and a sliding window that recorded the forward keeps the forward's tokens."""
     if end == held:
         return row_payloads(cache, r, pad, start, end)
+    return held_payloads(cache, r, pad, start, end)
+
+
+def held_payloads(cache: Cache, r: int, pad: int, start: int, end: int) -> list[Payload]:
+    """`row_payloads` of chunk `[start, end)` read from the physical slots `pad + start ..` that the
+    layers still hold (full attention, a window that recorded the forward), whatever the forward
+    put after them."""
     out: list[Payload] = []
     for layer in cache:
         if isinstance(layer, EmptyLayer):
@@ -113,19 +122,20 @@ def row_payloads_back(cache: Cache, r: int, pad: int, start: int, end: int, held
             if first < 0 or layer.sliding_window - 1 < end - start:
                 raise ValueError(f"chunk [{start}, {end}) of row {r} is no longer held by the window")
         elif type(layer) is not DynamicLayer:
-            raise ValueError(f"{type(layer).__name__} keeps no state for a boundary {held - end} token(s) back")
+            raise ValueError(f"{type(layer).__name__} keeps no state for chunk [{start}, {end}) of row {r} once a "
+                             "forward went past it")  # fmt: skip
         keys, values = (t[r : r + 1, :, first : first + end - start].clone() for t in (held_keys, held_values))
         window = getattr(layer, "sliding_window", None)
         out.append(Delta(keys, values) if type(layer) is DynamicLayer else WindowDelta(keys, values, window))
     return out
 
 
-def _row_payload(layer: CacheLayer, r: int, pad: int, start: int, end: int) -> Payload:
+def _row_payload(layer: CacheLayer, r: int, pad: int, start: int, end: int, stop: int | None = None) -> Payload:
     if type(layer) is DynamicLayer:
         held = layer.state
         return Delta(*(held[name][r : r + 1, :, pad + start : pad + end].clone() for name in ("keys", "values")))
     if type(layer) is SlidingWindowLayer and layer.sliding_window - 1 >= end - start:
-        _, _, state = row_state(layer, r, pad)
+        _, _, state = row_state(layer, r, pad, stop)
         n = end - start
         return WindowDelta(state["keys"][:, :, -n:].clone(), state["values"][:, :, -n:].clone(), layer.sliding_window)
     if isinstance(layer, QuantizedRows):
@@ -133,9 +143,9 @@ def _row_payload(layer: CacheLayer, r: int, pad: int, start: int, end: int) -> P
     if isinstance(layer, HybridLayer):
         from ..store.payloads import HybridPayload
 
-        return HybridPayload(_row_payload(layer.attention, r, pad, start, end),  # type: ignore[arg-type]
-                             _row_payload(layer.recurrent, r, pad, start, end))  # type: ignore[arg-type]  # fmt: skip
-    return capture(row_layer(layer, r, pad), start, end)
+        return HybridPayload(_row_payload(layer.attention, r, pad, start, end, stop),  # type: ignore[arg-type]
+                             _row_payload(layer.recurrent, r, pad, start, end, stop))  # type: ignore[arg-type]  # fmt: skip
+    return capture(row_layer(layer, r, pad, stop), start, end)
 
 
 def _stack_layer(rows: list[RowState]) -> CacheLayer:
