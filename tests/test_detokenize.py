@@ -106,3 +106,15 @@ def test_decoding_work_per_token_is_flat_in_the_answer_length() -> None:
         detokenizer.add([i % (vocab - 1) + 1])
     assert max(given_tokens) <= 8
     assert detokenizer.finish() == decode([i % (vocab - 1) + 1 for i in range(2000)])
+
+
+def test_replacement_characters_that_cannot_change_are_shown_at_once() -> None:
+    """Bytes that form no character (a model's garbage) decode to U+FFFD; only the last one could
+    still become part of a character, so each new token shows the one before it."""
+    tok = tokenizer("byte-level BPE")
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    lone = tok.token_to_id("Ģ")  # the byte 0x80: a continuation byte without a lead
+    detokenizer = Detokenizer(decode)
+    shown = [detokenizer.add([lone]) for _ in range(5)]
+    assert shown == ["\ufffd" * n for n in range(5)]
+    assert detokenizer.finish() == decode([lone] * 5) == "\ufffd" * 5

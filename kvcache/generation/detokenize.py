@@ -6,7 +6,8 @@ long answer, taken from the thread that runs the model. Here each new piece is d
 tokens of the previous piece in front of it, and only what that adds is new text: the context
 keeps what depends on a neighbour (a SentencePiece word's leading space, cleaned-up spaces before
 punctuation) the same as in a decode of everything. A piece that ends in the middle of a
-multi-byte character (`\\ufffd` at its end) waits for the next token.
+multi-byte character (`\\ufffd` at its end) is shown without that character and decoded again with
+the next token.
 """
 
 from __future__ import annotations
@@ -29,13 +30,16 @@ class Detokenizer:
 
     def add(self, ids: Iterable[int]) -> str:
         """Take `ids`; the text of every token taken so far, less a last character that is still
-        cut in two (it waits for its other bytes)."""
+        cut in two (it waits for its other bytes: only the last replacement character can still
+        become another, those before it stand whatever follows)."""
         self.tokens.extend(ids)
         if self.read < len(self.tokens):
             before = self.decode(self.tokens[self.context : self.read])
             after = self.decode(self.tokens[self.context :])
             if not after.endswith("\ufffd"):
                 self._take(before, after)
+            else:  # shown, not taken: the next call decodes these tokens again with what follows
+                return self.text + after[len(before) : -1]
         return self.text
 
     def finish(self) -> str:
