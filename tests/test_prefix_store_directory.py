@@ -257,9 +257,12 @@ def test_a_damaged_index_is_a_clear_error_not_a_traceback(tmp_path: Path, capsys
     from kvcache.cli import main
 
     store_at(tmp_path).prefill(model(), prompt()[0].tolist())
-    (tmp_path / "index.sqlite").write_bytes(b"this is not a database" * 100)
-    for name in ("index.sqlite-wal", "index.sqlite-shm"):
+    # A new file, not the old one rewritten: the first store's connection may live on until the
+    # garbage collector meets it, and closing it checkpoints its WAL into the file it has open,
+    # which would mend a damaged index written in place.
+    for name in ("index.sqlite", "index.sqlite-wal", "index.sqlite-shm"):
         (tmp_path / name).unlink(missing_ok=True)
+    (tmp_path / "index.sqlite").write_bytes(b"this is not a database" * 100)
     with pytest.raises(KVCacheError, match=r"index\.sqlite is damaged"):
         store_at(tmp_path)
     for argv in (["store", str(tmp_path)], ["generate", "The value", "--max-new-tokens", "2", "--prefix-store",
