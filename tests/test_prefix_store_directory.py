@@ -297,3 +297,29 @@ def test_an_insert_whose_write_and_clean_up_failed_is_swept_at_once(tmp_path: Pa
     store.prefill(m, tokens)  # another insert sweeps it
     assert backend.nbytes() == directory_bytes(tmp_path) and len(store) == 4
     assert backend.insert(b"k" * 16, None, b"entry bytes", 11, 0, backend.begin(), 1 << 30).outcome == "stored"
+
+
+def test_a_closed_store_releases_its_index_and_answers_later_calls_as_closed(tmp_path: Path) -> None:
+    """`with PrefixStore(...) as store:` closes the index on leaving (its WAL checkpointed and
+    removed, as SQLite does when the last connection closes); a later lookup is a miss with a
+    warning naming the closed store (a strict backend raises), and nothing is written; a store
+    opened there again finds every entry."""
+    from kvcache.store import StoreUnavailable
+
+    m, ids = model(), prompt()[0].tolist()
+    with store_at(tmp_path) as store:
+        store.prefill(m, ids)
+        held = len(store)
+        assert held > 0 and (tmp_path / "index.sqlite-wal").exists()
+    assert not (tmp_path / "index.sqlite-wal").exists()
+    with pytest.warns(UserWarning, match="is closed"):
+        assert store.lookup(ids, m)[0] == 0
+    strict = store_at(tmp_path, strict=True)
+    strict.close()
+    with pytest.raises(StoreUnavailable, match="is closed"):
+        len(strict)
+    again = store_at(tmp_path)
+    assert len(again) == held
+    reused = store_at(tmp_path).prefill(m, ids)[0]  # what a store that was never closed reuses
+    assert reused > 0 and again.lookup(ids, m)[0] == reused
+    again.close()

@@ -245,5 +245,8 @@ def run(args: argparse.Namespace) -> int:
         announce()
 
     server.startup = startup  # type: ignore[method-assign]
-    server.run()
+    try:
+        server.run()
+    finally:
+        store.close()  # the writer's queue finished, the index or connections released
     return 0

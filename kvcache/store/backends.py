@@ -88,6 +88,7 @@ class Backend(Protocol):
     def shrink_to(self, max_bytes: int) -> int: ...
     def clear(self) -> None: ...
     def counters(self) -> dict[str, int]: ...
+    def close(self) -> None: ...
 
 
 class _Held:
@@ -115,6 +116,9 @@ class MemoryBackend:
     def begin(self) -> int:
         with self._lock:
             return next(self._stamps)
+
+    def close(self) -> None:
+        """Nothing to release: the entries live as long as this object."""
 
     def get_many(self, keys: Sequence[bytes]) -> list[Any]:
         out = []

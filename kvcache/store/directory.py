@@ -94,6 +94,7 @@ class DirectoryBackend:
                 raise CacheInputError(f"prefix store directory {str(path)!r}: {exc.strerror or exc}") from exc
             self.writable = False
         fresh = not (self.path / "index.sqlite").exists()
+        self._closed = False
         self._db = self._connect()
         if fresh and self.writable:
             self._remove_old_format()
@@ -143,6 +144,18 @@ class DirectoryBackend:
                           stacklevel=4)  # fmt: skip
 
     # -------------------------------------------------------------------------- plumbing
+    def close(self) -> None:
+        """Close the index (its WAL checkpointed into it): later calls are `StoreUnavailable`."""
+        with self._lock:
+            db, self._db, self._closed = self._db, None, True
+            if db is not None:
+                with contextlib.suppress(sqlite3.Error):
+                    db.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreUnavailable(f"prefix store {self.path} is closed")
+
     def _file(self, key: bytes) -> Path:
         hexkey = key.hex()
         return self.path / "entries" / hexkey[:2] / (hexkey + SUFFIX)
@@ -150,6 +163,7 @@ class DirectoryBackend:
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
         """One write transaction (BEGIN IMMEDIATE: other processes wait, up to BUSY_TIMEOUT_S)."""
+        self._check_open()
         if self._db is None or not self.writable:
             raise StoreUnavailable(f"prefix store {self.path} is read-only here")
         with self._lock:
@@ -169,6 +183,7 @@ class DirectoryBackend:
                 raise StoreUnavailable(f"prefix store {self.path}: {exc}") from exc
 
     def _read_db(self, sql: str, args: Sequence[Any] = ()) -> list[tuple]:
+        self._check_open()
         if self._db is None:
             return []
         with self._lock:
@@ -193,6 +208,7 @@ class DirectoryBackend:
 
     # ------------------------------------------------------------------------- interface
     def begin(self) -> int:
+        self._check_open()
         if not self.writable or self._db is None:
             return int(time.time())  # read-only: no stamp to take, nothing is written
         with self._transaction() as db:
@@ -218,6 +234,7 @@ class DirectoryBackend:
             os.close(fd)
 
     def get_many(self, keys: Sequence[bytes]) -> list[Any]:
+        self._check_open()
         out: list[Any] = []
         for key in keys:
             try:

@@ -112,6 +112,22 @@ class PrefixStore:
         if writer is not None:
             writer.close(timeout)
 
+    def close(self, timeout: float = 30.0) -> None:
+        """Finish the queued writes (`stop_writer`) and release the backend: a directory's index
+        is closed (later calls are misses, with a warning, or `StoreUnavailable` when strict), a
+        Redis client's connections are. Also what leaving a `with PrefixStore(...) as store:`
+        block does. The entries stay where they are, for the next store opened there."""
+        self.stop_writer(timeout)
+        close = getattr(self.backend, "close", None)  # a backend written before close() has none
+        if close is not None:
+            close()
+
+    def __enter__(self) -> PrefixStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def __len__(self) -> int:
         return int(self.guard(lambda: self.backend.summary()["chunks"], 0))
 

@@ -21,6 +21,7 @@ a miss and a back-off.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -155,6 +156,11 @@ class RedisBackend:
         self._stamp, self._stats = f"{tag}:stamp", f"{tag}:stats"
         scripts = {"insert": _INSERT, "discard": _DISCARD, "shrink": _SHRINK, "begin": _BEGIN}
         self._scripts = {name: self.client.register_script(text) for name, text in scripts.items()}
+
+    def close(self) -> None:
+        """Close the client's connections (a later call opens new ones)."""
+        with contextlib.suppress(*self._errors):
+            self.client.close()
 
     @property
     def location(self) -> str:
