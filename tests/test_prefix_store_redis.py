@@ -155,7 +155,9 @@ def test_a_hung_server_costs_about_one_timeout_per_request(
         plain.append(time.monotonic() - started)
     assert out.sequences.tolist() == cold.sequences.tolist()
     assert all(o == cold.sequences.tolist() for o in later_outs)
-    assert first < sorted(plain)[1] + 2.5 * timeout, (first, plain)
+    # One timeout, not one per chunk (20, 4 s): the first request cannot be repeated, so its bound
+    # leaves room for a load spike on a shared machine (the plain runs above moved 0.09-0.6 s once)
+    assert first < sorted(plain)[1] + 5 * timeout, (first, plain)
     assert min(later) < min(plain) + 0.5 * timeout, (later, plain)
     assert s.stats.unavailable == 1
 
