@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..errors import GenerationError
+from ..protocol import last_logits
 from .draft_schedule import DraftLength
 from .drafters import Draft, Drafter, ModelDrafter, check_draft
 from .inputs import check_mask, check_token_list
@@ -89,10 +90,11 @@ class BatchRunner:
         self.held: list[int] = []
         self.forwards = 0
 
-    def _call(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def _call(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
+              keep: dict[str, int] | None = None) -> torch.Tensor:  # fmt: skip
         with torch.no_grad():
             logits = self.model(input_ids, cache=self.cache, attention_mask=mask, position_ids=position_ids,
-                                **self.encoder)  # fmt: skip
+                                **self.encoder, **(keep or {}))  # fmt: skip
         self.forwards += 1
         return logits
 
@@ -114,7 +116,8 @@ class BatchRunner:
             columns = torch.arange(longest, device=self.device)[None, :]
             pads = torch.tensor(self.pads, device=self.device)[:, None]
             mask = (columns >= pads).long() if any(self.pads) else None
-            self._call(ids, (columns - pads).clamp(min=0), mask)
+            keep = {} if self.encoder else last_logits(self.model)  # nobody reads the prompt's logits
+            self._call(ids, (columns - pads).clamp(min=0), mask, keep)
         self.cache.activate_past_recording()
         self.forwards = 0  # count decoding forwards only
 

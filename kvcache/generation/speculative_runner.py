@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..errors import GenerationError, RollbackError
+from ..protocol import last_logits
 
 #: `ModelRunner.truncate` results: nothing to drop, dropped by one exact crop, or by crop + re-feed.
 NO_ROLLBACK, CROP, REFEED = "none", "crop", "refeed"
@@ -71,11 +72,13 @@ class ModelRunner:
         """Tokens held at the commit point (no rollback reaches below it)."""
         return self._committed_length
 
-    def feed(self, tokens: Sequence[int], *, rollback: bool = True) -> torch.Tensor:
+    def feed(self, tokens: Sequence[int], *, rollback: bool = True, last_only: bool = False) -> torch.Tensor:
         """Run the model on `tokens` (ints, appended to its cache); return their logits
-        `[len(tokens), vocab]`. `rollback=False`: nothing of this forward will be cropped (a plain
-        step), so the cache does not record it (no snapshots, no history): it is committed at once.
-        A decoding step runs it once per token, so it does no work a step can skip."""
+        `[len(tokens), vocab]` (`last_only`: the last token's alone, `[1, vocab]`, the head run on
+        that position only where the model takes `logits_to_keep`: a prompt's). `rollback=False`:
+        nothing of this forward will be cropped (a plain step), so the cache does not record it (no
+        snapshots, no history): it is committed at once. A decoding step runs it once per token, so
+        it does no work a step can skip."""
         if rollback != self._recording:
             if rollback:
                 self.start_recording()
@@ -90,21 +93,25 @@ class ModelRunner:
         else:
             input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
             position_ids = self._position_range(start, n)
+        kwargs = self._kwargs
+        if last_only and n > 1 and not self.is_encoder_decoder:
+            kwargs = {**kwargs, **last_logits(self.model)}
         if torch.is_grad_enabled():
             with torch.no_grad():
-                logits = self.model(input_ids, cache=self.cache, position_ids=position_ids, **self._kwargs)
+                logits = self.model(input_ids, cache=self.cache, position_ids=position_ids, **kwargs)
         else:  # inside the caller's no-grad scope (the decoding loop's): entering another per step costs
-            logits = self.model(input_ids, cache=self.cache, position_ids=position_ids, **self._kwargs)
-        if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[:2] != (1, n):
+            logits = self.model(input_ids, cache=self.cache, position_ids=position_ids, **kwargs)
+        rows = 1 if "logits_to_keep" in kwargs else n
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[:2] != (1, rows):
             shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
-            raise GenerationError(f"{type(self.model).__name__} returned logits {shape}, expected [1, {n}, vocab]")
+            raise GenerationError(f"{type(self.model).__name__} returned logits {shape}, expected [1, {rows}, vocab]")
         self.tokens.extend(tokens)
         if rollback:
             self._step_sizes.append(n)
         else:
             self._committed_length = len(self.tokens)
         self.forwards += 1
-        return logits[0]
+        return logits[0, -1:] if last_only else logits[0]
 
     def _one_id(self, token: int) -> torch.Tensor:
         """Input ids `[[token]]`: a view kept for the next time this id is fed."""
@@ -144,9 +151,9 @@ class ModelRunner:
         self.tokens = [int(t) for t in prompt[:held]]
         last = None
         if whole:
-            last = self.feed(prompt[held:], rollback=False)[-1]
-        elif held < len(prompt) - 1:
-            self.feed(prompt[held:-1], rollback=False)  # not recorded: the prompt costs no rollback memory
+            last = self.feed(prompt[held:], rollback=False, last_only=True)[-1]
+        elif held < len(prompt) - 1:  # not recorded: the prompt costs no rollback memory
+            self.feed(prompt[held:-1], rollback=False, last_only=True)
         if not whole:
             self.start_recording()
         self.forwards = 0  # count decoding forwards only
