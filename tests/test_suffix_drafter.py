@@ -203,3 +203,28 @@ def test_bad_parameters_are_package_errors() -> None:
     for bad in (0, -1.0, True, "2"):
         with pytest.raises(GenerationError, match="per_match"):
             SuffixDrafter(per_match=bad)
+
+
+@pytest.mark.parametrize("depth", [1, 3, 8])
+def test_counts_fed_whole_or_piece_by_piece_equal_a_recount_of_every_context(depth: int) -> None:
+    """A drafter feeds its sequence a few tokens at a time (`start` past what it fed): the counts
+    equal those of one feed of the whole sequence, and every context of 1 to `depth` tokens finds
+    the continuations a recount of the tuples finds."""
+    from kvcache.generation.suffix import ContinuationCounts
+
+    rng = random.Random(depth)
+    seq = [rng.randrange(5) for _ in range(120)]
+    whole, pieces = ContinuationCounts(depth), ContinuationCounts(depth)
+    whole.add(seq)
+    done = 0
+    while done < len(seq):
+        step = rng.randrange(1, 12)
+        pieces.add(seq[: done + step], start=done)
+        done += step
+    assert whole.counts == pieces.counts
+    naive: dict[tuple, Counter] = {}
+    for end in range(1, len(seq)):
+        for n in range(1, min(depth, end) + 1):
+            naive.setdefault(tuple(seq[end - n : end]), Counter())[seq[end]] += 1
+    assert len(whole.counts) == len(naive)
+    assert all(whole.get(context) == dict(counted) for context, counted in naive.items())

@@ -48,13 +48,17 @@ class ContinuationCounts:
     def add(self, tokens: Sequence[int], start: int = 0, sign: int = 1) -> None:
         """Count (or with `sign=-1` uncount) every continuation of `tokens` whose next token is at
         position `start` or later."""
-        counts = self.counts
-        for end in range(max(start, 1), len(tokens)):
+        first, depth = max(start, 1), self.depth
+        base = max(first - depth, 0)  # the tokens the new contexts reach back to, as a tuple (its slices are)
+        counts, tokens = self.counts, tuple(tokens[base:])
+        for end in range(first - base, len(tokens)):
             following = tokens[end]
-            for n in range(1, min(self.depth, end) + 1):
-                key = hash(tuple(tokens[end - n : end]))
+            for begin in range(end - 1, max(end - depth, 0) - 1, -1):
+                key = hash(tokens[begin:end])
                 held = counts.get(key)
-                if isinstance(held, dict):
+                if held is None:
+                    counts[key] = 1 << 32 | following  # sign is +1: a sequence is uncounted only once counted
+                elif isinstance(held, dict):
                     left = held.get(following, 0) + sign
                     if left > 0:
                         held[following] = left
@@ -63,8 +67,6 @@ class ContinuationCounts:
                         if len(held) == 1:
                             ((token, count),) = held.items()
                             counts[key] = count << 32 | token
-                elif held is None:
-                    counts[key] = 1 << 32 | following  # sign is +1: a sequence is uncounted only once counted
                 elif held & 0xFFFFFFFF == following:
                     count = (held >> 32) + sign
                     if count > 0:
