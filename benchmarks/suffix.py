@@ -4,7 +4,8 @@
    templated prompt with the last observation and the next tool call, drawn from the few tools
    and files one task touches, so calls recur (the table says how many answers repeat an earlier
    one); each request's prompt and answer feed the shared corpus, so later requests draft from
-   earlier answers. Tokens per second over the whole sequence: plain
+   earlier answers. Tokens per second over the whole sequence (the contenders interleaved request
+   by request, in rotating order, so the machine's drift falls on all of them): plain
    `generate`, prompt lookup and suffix drafting (at most k = 32 tokens a step, both: the adaptive
    schedule, carried across the requests as one `DraftGate` as a session would, chooses how many;
    32 measured better than 8 and 16 for both drafters), each
@@ -78,25 +79,42 @@ def random_prompts(count: int, alphabet: str) -> list[str]:
     return ["".join(rng.choice(alphabet) for _ in range(160)) for _ in range(count)]
 
 
-def _run(model: Any, prompts: list[list[int]], new: int, how: str) -> tuple[float, list[list[int]], float]:
-    """Seconds for the whole sequence of requests, the outputs, and the share of drafts accepted."""
-    corpus, gate = SuffixCorpus(), DraftGate(K)  # both carried from request to request, as a session would
-    outputs, accepted, proposed = [], 0, 0
-    start = time.perf_counter()
-    for ids in prompts:
+class _Session:
+    """One contender's sequence of requests: its corpus and schedule carried from request to request,
+    as a session would carry them; seconds, outputs and drafts accepted summed over its requests."""
+
+    def __init__(self, model: Any, how: str) -> None:
+        self.model, self.how = model, how
+        self.corpus, self.gate = SuffixCorpus(), DraftGate(K)
+        self.seconds, self.outputs, self.accepted, self.proposed = 0.0, [], 0, 0
+
+    def request(self, ids: list[int], new: int) -> None:
         prompt = torch.tensor([ids])
-        if how == "plain":
-            out = generate(model, prompt, max_new_tokens=new, eos_token_id=[]).sequences
+        start = time.perf_counter()
+        if self.how == "plain":
+            out = generate(self.model, prompt, max_new_tokens=new, eos_token_id=[]).sequences
         else:
-            drafter = PromptLookupDrafter() if how == "prompt lookup" else SuffixDrafter(corpus)
-            result = speculative_generate(model, drafter, prompt, num_draft_tokens=K, max_new_tokens=new,
-                                          eos_token_id=[], draft_schedule=gate)  # fmt: skip
+            drafter = PromptLookupDrafter() if self.how == "prompt lookup" else SuffixDrafter(self.corpus)
+            result = speculative_generate(self.model, drafter, prompt, num_draft_tokens=K, max_new_tokens=new,
+                                          eos_token_id=[], draft_schedule=self.gate)  # fmt: skip
             out = result.sequences
-            accepted += sum(result.accepted_per_step)
-            proposed += sum(result.proposed_per_step)
-        outputs.append(out[0].tolist())
-        corpus.add(outputs[-1])  # what a server does when a request finishes
-    return time.perf_counter() - start, outputs, accepted / max(proposed, 1)
+            self.accepted += sum(result.accepted_per_step)
+            self.proposed += sum(result.proposed_per_step)
+        self.outputs.append(out[0].tolist())
+        self.corpus.add(self.outputs[-1])  # what a server does when a request finishes
+        self.seconds += time.perf_counter() - start
+
+
+def _run(model: Any, prompts: list[list[int]], new: int,
+         hows: tuple[str, ...]) -> dict[str, tuple[float, list[list[int]], float]]:  # fmt: skip
+    """Every contender through the same requests, interleaved request by request (the order rotating),
+    so that a drift of the machine's speed falls on all of them: per contender, the seconds its
+    requests took, its outputs, and the share of drafts accepted."""
+    sessions = [_Session(model, how) for how in hows]
+    for i, ids in enumerate(prompts):
+        for session in sessions[i % len(sessions) :] + sessions[: i % len(sessions)]:
+            session.request(ids, new)
+    return {s.how: (s.seconds, s.outputs, s.accepted / max(s.proposed, 1)) for s in sessions}
 
 
 def _workloads(mode: str, count: int, tmp: str) -> list[tuple[str, Any, Any, list[str]]]:
@@ -138,8 +156,8 @@ def workload_table(mode: str) -> tuple[Table, list[Target], dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         for name, model, encode, texts in _workloads(mode, count, tmp):
             prompts = [encode(t) for t in texts]
-            _run(model, prompts[:1], 4, "suffix")  # warm-up
-            results = {how: _run(model, prompts, new, how) for how in ("plain", "prompt lookup", "suffix")}
+            _run(model, prompts[:1], 4, ("plain", "suffix"))  # warm-up
+            results = _run(model, prompts, new, ("plain", "prompt lookup", "suffix"))
             plain_s, plain_out, _ = results["plain"]
             answers = [out[len(ids) :] for out, ids in zip(plain_out, prompts, strict=True)]
             repeats = sum(answer in answers[:i] for i, answer in enumerate(answers))  # how repetitive the traffic is
