@@ -338,6 +338,7 @@ def test_bad_flags_are_one_line_errors(capsys) -> None:
     for argv, words in ((["--keep-alive", "0"], "--keep-alive must be > 0"),
                         (["--shutdown-timeout", "nan"], "--shutdown-timeout must be > 0"),
                         (["--port", "70000"], "--port must be in"), (["--max-batch", "0"], "--max-batch must be >= 1"),
+                        (["--max-step-tokens", "0"], "--max-step-tokens must be >= 1"),
                         (["--prompt-lookup", "0"], "--prompt-lookup must be >= 1"),
                         (["--speculative", "2", "--prompt-lookup", "3"], "one speculation flag"),
                         (["--suffix-draft", "4", "--prompt-lookup", "3"], "alternatives"),
@@ -352,3 +353,14 @@ def test_bad_flags_are_one_line_errors(capsys) -> None:
         out, err = capsys.readouterr()
         code = exited.value.code
         assert (code, out) == (2, "") and err.count("\n") == 1 and words in err, (argv, err)
+
+
+def test_the_help_states_the_engines_step_budget(capsys) -> None:
+    """`--max-step-tokens` defaults to the engine's budget (taken from it when the flag is not
+    given), and the help says which."""
+    from kvcache.cli import main
+    from kvcache.serve.engine import MAX_STEP_TOKENS
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert f"prompts (default {MAX_STEP_TOKENS})" in " ".join(capsys.readouterr().out.split())

@@ -52,9 +52,9 @@ def add_parser(subparsers: Any) -> None:
                         help="quantize the attention cache to 8, 4 or 2 bits (as generate --kv-bits; each request "
                         "quantized as when it runs alone); default: full precision")
     parser.add_argument("--max-batch", type=int, default=32, help="requests decoded together at most (default 32)")
-    parser.add_argument("--max-step-tokens", type=int, default=512,
+    parser.add_argument("--max-step-tokens", type=int, default=None,
                         help="tokens one engine step computes at most: every running row's decode token plus "
-                        "prefill blocks of waiting prompts (default 512)")
+                        "prefill blocks of waiting prompts (default 256)")
     parser.add_argument("--max-prompt-tokens", type=int, default=8192, help="longest prompt taken (default 8192)")
     parser.add_argument("--max-tokens", type=int, default=4096, help="largest max_tokens taken (default 4096)")
     parser.add_argument("--default-max-tokens", type=int, default=128,
@@ -175,13 +175,15 @@ def run(args: argparse.Namespace) -> int:
     from ..devices import resolve_device
     from ..generation import SuffixCorpus
     from ..serve import create_app
-    from ..serve.engine import Engine
+    from ..serve.engine import MAX_STEP_TOKENS, Engine
     from ..serve.schema import Limits
     from ..serve.speculation import can_speculate
     from ..store import PrefixStore, open_store
     from .generate import store_key
 
     server_class = _graceful_server_class()
+    if args.max_step_tokens is None:
+        args.max_step_tokens = MAX_STEP_TOKENS
 
     for name in ("max_batch", "max_step_tokens", "max_prompt_tokens", "max_tokens", "default_max_tokens",
                  "max_body_bytes", "max_waiting"):  # fmt: skip

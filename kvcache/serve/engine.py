@@ -49,9 +49,10 @@ from .speculation import can_speculate, speculative_step
 
 #: Rows decoded together at most; newcomers wait while the batch is full.
 MAX_BATCH = 32
-#: Tokens one engine turn computes at most: the running rows' decode tokens plus prefill blocks
-#: (`benchmarks/serve.py` measured the choice).
-MAX_STEP_TOKENS = 512
+#: Tokens one engine turn computes at most: the running rows' decode tokens plus prefill blocks.
+#: 256, measured against 192-512 (docs/serve.md): at 512 a burst of newcomers is prefilled in one
+#: large group, every one waiting for all, and the rows, finishing together, make the next burst.
+MAX_STEP_TOKENS = 256
 
 
 @dataclass(eq=False)  # a request is itself: compared by identity
