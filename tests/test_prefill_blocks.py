@@ -49,7 +49,7 @@ def test_bad_arguments_are_refused_and_change_nothing(block, end) -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
 
-class _Recording:
+class Recording:
     """A protocol model that names `logits_to_keep` and records what each forward asked for."""
 
     def __init__(self, model: DecoderLM) -> None:
@@ -71,7 +71,7 @@ def test_prefills_compute_the_head_on_one_position() -> None:
 
     model = _model().double()  # float64: the two heads' last bits cannot flip a greedy token
     ids = torch.randint(0, 50, (1, 200), generator=torch.Generator().manual_seed(4))
-    recording = _Recording(model)
+    recording = Recording(model)
     prefill_blocks(recording, ids, recording.new_cache(), block=64, end=192)
     assert recording.asked == [(64, 1)] * 3
     recording.asked.clear()

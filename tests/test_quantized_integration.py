@@ -147,6 +147,22 @@ def _one_forward_against_steps(model, cache_of, ids: torch.Tensor, monkeypatch=N
     return (whole - steps).abs().max().item()
 
 
+def _int4_model(kind: str):
+    """The bundled model ("decoder") or a tiny transformers Llama ("transformers"), float64, with
+    int4 caches: the model, a maker of its caches, and its vocabulary size."""
+    if kind == "decoder":
+        model = load_default_model(dtype=torch.float64)[0]
+        model.kv_bits = 4
+        return model, model.new_cache, model.vocab_size
+    pytest.importorskip("transformers", minversion="5.24")
+    from test_transformers_models import tiny_model
+
+    from kvcache.integrations.transformers import cache_from_config, wrap_model
+
+    model = wrap_model(tiny_model("llama").double())
+    return model, (lambda: cache_from_config(model.config, kv_bits=4)), 128
+
+
 @pytest.mark.parametrize("kind", ["decoder", "transformers"])
 def test_a_forward_sees_what_single_steps_see_quantized(kind: str, monkeypatch) -> None:
     """A forward into a quantized cache is computed in pieces that never cross a block boundary
@@ -154,18 +170,7 @@ def test_a_forward_sees_what_single_steps_see_quantized(kind: str, monkeypatch) 
     same values up to the reduction order of batched matmuls), however the prompt is grouped. Without
     the pieces, the queries after a boundary would see the block before it in full precision where
     a step sees it quantized: a difference of the size of the quantization error."""
-    if kind == "decoder":
-        model = load_default_model(dtype=torch.float64)[0]
-        model.kv_bits = 4
-        cache_of, vocab = model.new_cache, model.vocab_size
-    else:
-        pytest.importorskip("transformers", minversion="5.24")
-        from test_transformers_models import tiny_model
-
-        from kvcache.integrations.transformers import cache_from_config, wrap_model
-
-        model = wrap_model(tiny_model("llama").double())
-        cache_of, vocab = (lambda: cache_from_config(model.config, kv_bits=4)), 128
+    model, cache_of, vocab = _int4_model(kind)
     ids = torch.randint(3, vocab, (1, 50), generator=torch.Generator().manual_seed(2))
     assert cache_of().forward_segments(50) == [16, 16, 16, 2]
     for bad in (-1, 1.5, "3"):
@@ -181,18 +186,7 @@ def test_logits_to_keep_over_pieces_returns_the_tail(kind: str) -> None:
     """A forward cut in pieces (`Cache.forward_segments`) with `logits_to_keep=k` returns the last
     k positions' logits, however many pieces they span, and fills the cache as a forward without it
     (a next step's logits are equal). Float64: the head over fewer rows sums alike to 1e-12."""
-    if kind == "decoder":
-        model = load_default_model(dtype=torch.float64)[0]
-        model.kv_bits = 4
-        cache_of, vocab = model.new_cache, model.vocab_size
-    else:
-        pytest.importorskip("transformers", minversion="5.24")
-        from test_transformers_models import tiny_model
-
-        from kvcache.integrations.transformers import cache_from_config, wrap_model
-
-        model = wrap_model(tiny_model("llama").double())
-        cache_of, vocab = (lambda: cache_from_config(model.config, kv_bits=4)), 128
+    model, cache_of, vocab = _int4_model(kind)
     ids = torch.randint(3, vocab, (1, 50), generator=torch.Generator().manual_seed(3))
     step = torch.tensor([[5]])
     with torch.no_grad():

@@ -467,17 +467,23 @@ def test_cold_newcomers_are_prefilled_together_and_store_what_they_computed(bund
         assert a.tokens == want and b.tokens == want
         assert a.cached_tokens == 0 and b.cached_tokens == (len(prompt) - 1) // 16 * 16
     for prompt in prompts:
-        reference = model.new_cache()
-        reference.activate_past_recording()  # keeps every token, windows included
-        model(torch.tensor([prompt]), cache=reference, position_ids=torch.arange(len(prompt))[None])
-        for boundary in range(16, len(prompt) + 1, 16):
-            reused, cache = store.lookup([*prompt[:boundary], 0], counting)  # a token past it: the chunk is reused
-            assert reused == boundary
-            for got, want in zip(cache, reference, strict=True):
-                held = got.state["keys"].shape[2]
-                for name in ("keys", "values"):
-                    expected = want.state[name][:, :, boundary - held : boundary]
-                    torch.testing.assert_close(got.state[name], expected, rtol=0, atol=1e-10)
+        assert_stored_as_alone(store, model, counting, prompt, first=16)
+
+
+def assert_stored_as_alone(store, model, counting, prompt: list[int], first: int) -> None:
+    """Every 16-token boundary of `prompt` from `first` on is in `store`, holding what the prompt
+    fed alone holds there (float64: the batched forwards sum alike to 1e-10)."""
+    reference = model.new_cache()
+    reference.activate_past_recording()  # keeps every token, windows included
+    model(torch.tensor([prompt]), cache=reference, position_ids=torch.arange(len(prompt))[None])
+    for boundary in range(first, len(prompt) + 1, 16):
+        reused, cache = store.lookup([*prompt[:boundary], 0], counting)  # a token past it: the chunk is reused
+        assert reused == boundary
+        for got, want in zip(cache, reference, strict=True):
+            held = got.state["keys"].shape[2]
+            for name in ("keys", "values"):
+                expected = want.state[name][:, :, boundary - held : boundary]
+                torch.testing.assert_close(got.state[name], expected, rtol=0, atol=1e-10)
 
 
 class GroupFailingModel(CountingModel):
@@ -569,14 +575,4 @@ def test_newcomers_that_continue_cached_prefixes_are_prefilled_together(bundled,
         assert a.tokens == want and b.tokens == want
         assert a.cached_tokens == 64 and b.cached_tokens == (len(prompt) - 1) // 16 * 16
     for prompt in prompts:
-        reference = model.new_cache()
-        reference.activate_past_recording()
-        model(torch.tensor([prompt]), cache=reference, position_ids=torch.arange(len(prompt))[None])
-        for boundary in range(80, len(prompt) + 1, 16):
-            reused, cache = store.lookup([*prompt[:boundary], 0], counting)
-            assert reused == boundary
-            for got, want in zip(cache, reference, strict=True):
-                held = got.state["keys"].shape[2]
-                for name in ("keys", "values"):
-                    expected = want.state[name][:, :, boundary - held : boundary]
-                    torch.testing.assert_close(got.state[name], expected, rtol=0, atol=1e-10)
+        assert_stored_as_alone(store, model, counting, prompt, first=80)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
+from test_prefill_blocks import Recording
 
 from kvcache import Cache, DynamicLayer, GenerationError
 from kvcache.generation import (
@@ -276,26 +277,12 @@ def test_default_schedule_takes_the_first_token_from_the_prefill_as_generate_doe
     assert torch.equal(timed.sequences, constant.sequences)
 
 
-class _AskedFor:
-    """A protocol model that names `logits_to_keep` and records each forward's width and ask."""
-
-    def __init__(self, model) -> None:
-        self.model, self.vocab_size, self.asked = model, model.vocab_size, []
-
-    def new_cache(self):
-        return self.model.new_cache()
-
-    def __call__(self, input_ids, *, logits_to_keep: int = 0, **kwargs):
-        self.asked.append((input_ids.shape[1], logits_to_keep))
-        return self.model(input_ids, logits_to_keep=logits_to_keep, **kwargs)
-
-
 @pytest.mark.parametrize("schedule", ["adaptive", "constant"])
 def test_the_prompt_forward_computes_the_head_on_one_position(targets, schedule):
     """The prompt's forward asks for its last position's logits only (`logits_to_keep=1`: the
     adaptive schedule takes the first token from it, the constant one none); verify forwards ask
     for every position. The tokens are `generate`'s."""
-    target = _AskedFor(targets["sliding"])
+    target = Recording(targets["sliding"])
     prompt = torch.tensor([[2, 11, 4, 19, 8, 3, 2, 11, 4]])
     plain = generate(targets["sliding"], prompt, max_new_tokens=8)
     out = speculative_generate(target, PromptLookupDrafter(), prompt, num_draft_tokens=3, max_new_tokens=8,
@@ -309,7 +296,7 @@ def test_the_prompt_forward_computes_the_head_on_one_position(targets, schedule)
 def test_a_batch_prompt_forward_computes_the_head_on_one_position(targets):
     """Batched speculation's prompt forward (rows left-padded) asks for one position too; the rows'
     tokens are each prompt's own greedy decoding."""
-    target = _AskedFor(targets["sliding"])
+    target = Recording(targets["sliding"])
     prompts = [[2, 11, 4, 19, 8, 3, 2, 11, 4], [5, 6, 7, 5, 6]]
     out = speculative_generate(target, PromptLookupDrafter(), torch.tensor([prompts[0], [0] * 4 + prompts[1]]),
                                attention_mask=torch.tensor([[1] * 9, [0] * 4 + [1] * 5]), num_draft_tokens=3,
