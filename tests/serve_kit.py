@@ -3,6 +3,7 @@ for `/health`, stopped with SIGTERM (and its exit status checked), its memory re
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -65,11 +66,28 @@ class ServeProcess:
         return httpx.get(f"{self.url}/health", timeout=10).json()
 
     def rss_bytes(self) -> int:
+        """Resident bytes of the server and its processes (the engine runs in a child)."""
         assert self.proc is not None
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        return 0
+        return sum(_rss(pid) for pid in [self.proc.pid, *self.children()])
+
+    def children(self) -> list[int]:
+        """The server's child processes (its engine process), from /proc."""
+        assert self.proc is not None
+        found, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            for task in Path(f"/proc/{pid}/task").glob("*"):
+                with contextlib.suppress(OSError):
+                    kids = [int(k) for k in (task / "children").read_text().split()]
+                    found += kids
+                    todo += kids
+        return found
+
+    def engine_pid(self) -> int:
+        """The engine process (multiprocessing also starts its resource tracker beside it)."""
+        engines = [pid for pid in self.children() if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(engines) == 1, engines
+        return engines[0]
 
     def terminate(self, timeout: float = 30.0) -> int:
         """SIGTERM, then the exit status (SIGKILL after `timeout`)."""
@@ -88,6 +106,14 @@ class ServeProcess:
 
     def log(self) -> str:
         return self.stderr_path.read_text() if self.stderr_path else ""
+
+
+def _rss(pid: int) -> int:
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def tiny_model_dir(path: Path, kind: str = "llama") -> Path:

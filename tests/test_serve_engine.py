@@ -576,3 +576,49 @@ def test_newcomers_that_continue_cached_prefixes_are_prefilled_together(bundled,
         assert a.cached_tokens == 64 and b.cached_tokens == (len(prompt) - 1) // 16 * 16
     for prompt in prompts:
         assert_stored_as_alone(store, model, counting, prompt, first=80)
+
+
+def test_rows_joining_a_full_attention_batch_get_their_own_answers() -> None:
+    """A model whose layers are all full attention takes the join's block copy (`rows.join`):
+    prompts of several lengths, prefilled over several turns (a small budget), join a running
+    batch one after another, rows of shorter answers leave between joins; every greedy answer
+    equals its prompt decoded alone."""
+    from kvcache.models import DecoderConfig, DecoderLM
+
+    torch.manual_seed(0)
+    config = DecoderConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
+                           layer_types=["full_attention"] * 2)  # fmt: skip
+    model = DecoderLM(config).to(torch.float64).eval()
+    assert all(type(layer).__name__ == "DynamicLayer" for layer in model.new_cache())
+    rng = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 96, (n,), generator=rng).tolist() for n in (5, 40, 12, 70, 9, 33)]
+    lengths = (3, 20, 7, 14, 25, 4)
+    engine = Engine(model, PrefixStore(chunk_size=16), eos=[], max_step_tokens=24)
+    engine.start()
+    try:
+        requests = [Request(prompt=p, max_tokens=n, sampling=Sampling(False))
+                    for p, n in zip(prompts, lengths, strict=True)]
+        outcomes = run_requests(engine, requests)
+    finally:
+        engine.stop()
+    for prompt, n, request, outcome in zip(prompts, lengths, requests, outcomes, strict=True):
+        assert outcome.events[-1] == ("done", "length")
+        assert request.tokens == alone(model, prompt, n)
+
+
+def test_the_engine_fingerprints_its_model_once(bundled, monkeypatch) -> None:
+    """Hashing a model's identity (its config, every parameter's signature, a new cache) cost a
+    millisecond per request; the served model does not change while it serves, so the engine
+    computes it at its first request and every session chains its keys from that same root."""
+    import kvcache.store.session as session_module
+
+    model, tokenizer = bundled
+    calls = []
+    real = session_module.fingerprint
+    monkeypatch.setattr(session_module, "fingerprint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    store = PrefixStore(chunk_size=16)
+    prompts = [prompt_ids(tokenizer, i, 40) for i in range(4)]
+    requests, _ = serve_greedy(Engine(model, store, eos=[]), prompts, 3)
+    assert len(calls) == 1
+    assert all(r.session.root == store.identity(model).root for r in requests)
+    assert store.lookup(prompts[0], model)[0] == 32  # what the engine stored is found by a fresh session

@@ -71,6 +71,9 @@ def add_parser(subparsers: Any) -> None:
                         help="seconds an idle client connection stays open (default 30; uvicorn's 5 s closes "
                         "connections that busy clients are about to reuse)")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request on stderr")
+    parser.add_argument("--engine", choices=("process", "thread"), default="process",
+                        help="where the model runs: a process of its own (default; the web server and the model "
+                        "do not share one interpreter lock) or a thread of the server's process")
     names = {"max_bytes": "--prefix-store-bytes", "chunk_size": "--chunk-size"}
     parser.set_defaults(func=run, flag_names=names)
 
@@ -165,6 +168,51 @@ def default_threads() -> int:
     return max(1, torch.get_num_threads() - 1)
 
 
+def build_engine(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The served model and its engine (with its prefix store and drafters) as the flags say, `args`
+    checked by `run`: what the engine process builds, or `run` itself with `--engine thread`."""
+    import torch
+
+    from ..devices import resolve_device
+    from ..generation import SuffixCorpus
+    from ..serve.engine import Engine
+    from ..serve.speculation import can_speculate
+    from ..store import PrefixStore, open_store
+    from .generate import store_key
+
+    device = resolve_device(args.device)
+    torch.set_num_threads(args.threads or default_threads())
+    served = load_model(args, device)
+    served.model.kv_bits = args.kv_bits  # new_cache() builds quantized attention layers (the store's too)
+    speculative = (args.draft_tokens if args.draft_model else args.suffix_draft or args.prompt_lookup
+                   or args.speculative)  # fmt: skip
+    draft_rows = None  # a speculation flag drafts at every batch size (as far as it pays)
+    if not args.speculation_chosen and can_speculate(served.model, device):  # the default, where it rolls back
+        speculative, draft_rows = AUTO_DRAFT_TOKENS, AUTO_DRAFT_ROWS
+    draft_model = load_drafter(args, served)[0] if args.draft_model else None
+    corpus = SuffixCorpus() if args.suffix_draft else None  # one per server: one model, one API key
+    store_args = {"chunk_size": args.chunk_size, "max_bytes": args.prefix_store_bytes, "namespace": served.identity,
+                  "key": store_key(args)}  # fmt: skip
+    store = open_store(args.prefix_store, **store_args) if args.prefix_store else PrefixStore(**store_args)
+    try:
+        engine = Engine(served.model, store, eos=served.eos, speculative=speculative, draft_model=draft_model,
+                        draft_rows=draft_rows, suffix_corpus=corpus, max_batch=args.max_batch,
+                        max_step_tokens=args.max_step_tokens)  # fmt: skip
+    except BaseException:
+        store.close()
+        raise
+    return served, engine
+
+
+def _drop_weights(served: Any) -> None:
+    """The server process keeps the tokenizer; the weights live in the engine process."""
+    from ..store.payloads import model_module
+
+    module = model_module(served.model)
+    if module is not None:
+        module.to("meta")
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
@@ -173,13 +221,10 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..devices import resolve_device
-    from ..generation import SuffixCorpus
     from ..serve import create_app
-    from ..serve.engine import MAX_STEP_TOKENS, Engine
+    from ..serve.engine import MAX_STEP_TOKENS
+    from ..serve.engine_process import EngineProcess
     from ..serve.schema import Limits
-    from ..serve.speculation import can_speculate
-    from ..store import PrefixStore, open_store
-    from .generate import store_key
 
     server_class = _graceful_server_class()
     if args.max_step_tokens is None:
@@ -196,7 +241,8 @@ def run(args: argparse.Namespace) -> int:
             raise GenerationError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(args, name)}")
     if args.threads is not None and args.threads < 1:
         raise GenerationError(f"--threads must be >= 1, got {args.threads}")
-    chosen = (args.speculative, args.prompt_lookup, args.suffix_draft, args.draft_model) != (None,) * 4
+    args.speculation_chosen = (args.speculative, args.prompt_lookup, args.suffix_draft,
+                               args.draft_model) != (None,) * 4  # fmt: skip
     if args.speculative is None:
         args.speculative = 0
     if args.speculative == "suffix":
@@ -204,25 +250,23 @@ def run(args: argparse.Namespace) -> int:
     check_model_arguments(args)
     if args.speculative and (args.prompt_lookup, args.suffix_draft, args.draft_model) != (None, None, None):
         raise GenerationError("--speculative K is --prompt-lookup K: give one speculation flag")
-    speculative = (args.draft_tokens if args.draft_model else args.suffix_draft or args.prompt_lookup
-                   or args.speculative)  # fmt: skip
-    device = resolve_device(args.device)
-    torch.set_num_threads(args.threads or default_threads())
+    resolve_device(args.device)  # a device that is not there fails here, before any process starts
     key = api_key(args)
-    served = load_model(args, device)
-    served.model.kv_bits = args.kv_bits  # new_cache() builds quantized attention layers (the store's too)
-    draft_rows = None  # a speculation flag drafts at every batch size (as far as it pays)
-    if not chosen and can_speculate(served.model, device):  # the default: prompt lookup where it can roll back
-        speculative, draft_rows = AUTO_DRAFT_TOKENS, AUTO_DRAFT_ROWS
-    draft_model = load_drafter(args, served)[0] if args.draft_model else None
-    corpus = SuffixCorpus() if args.suffix_draft else None  # one per server: one model, one API key
-    namespace = served.identity
-    store_args = {"chunk_size": args.chunk_size, "max_bytes": args.prefix_store_bytes, "namespace": namespace,
-                  "key": store_key(args)}  # fmt: skip
-    store = open_store(args.prefix_store, **store_args) if args.prefix_store else PrefixStore(**store_args)
-    engine = Engine(served.model, store, eos=served.eos, speculative=speculative, draft_model=draft_model,
-                    draft_rows=draft_rows,
-                    suffix_corpus=corpus, max_batch=args.max_batch, max_step_tokens=args.max_step_tokens)  # fmt: skip
+    if args.engine == "thread":
+        served, engine = build_engine(args)
+        store_location = engine.store.location
+    else:
+        engine = EngineProcess(args)
+        engine.launch()  # the child loads the model while this process loads its tokenizer
+        try:
+            torch.set_num_threads(1)  # this process tokenizes and serves HTTP: no model computation
+            served = load_model(args, torch.device("cpu"))
+            engine.wait_ready()
+        except BaseException:
+            engine.stop(5.0)
+            raise
+        _drop_weights(served)
+        store_location = engine.store_location
     limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                     max_tokens=args.max_tokens, default_max_tokens=min(args.default_max_tokens, args.max_tokens),
                     max_waiting=args.max_waiting)  # fmt: skip
@@ -237,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
         sockets = [s for srv in getattr(server, "servers", []) for s in srv.sockets]
         port = sockets[0].getsockname()[1] if sockets else args.port
         auth = ", API key required" if key else ""
-        print(f"kvcache serve: {served.name} on http://{args.host}:{port}/v1 (prefix store {store.location}{auth})",
+        print(f"kvcache serve: {served.name} on http://{args.host}:{port}/v1 (prefix store {store_location}{auth})",
               file=sys.stderr, flush=True)  # fmt: skip
 
     original = server.startup
@@ -250,5 +294,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         server.run()
     finally:
-        store.close()  # the writer's queue finished, the index or connections released
+        engine.stop()  # (the engine process closes its store itself)
+        if args.engine == "thread":
+            engine.store.close()  # the writer's queue finished, the index or connections released
     return 0

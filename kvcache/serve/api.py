@@ -211,9 +211,8 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
         return JSONResponse(card)
 
     async def health(http: HttpRequest) -> Response:
-        writer = engine.store.writer
         return JSONResponse({"status": "ok", "model": served.name, **engine.active,
-                             "store_writes_pending": 0 if writer is None else writer.pending})  # fmt: skip
+                             "store_writes_pending": engine.store_writes_pending})  # fmt: skip
 
     async def metrics_text(http: HttpRequest) -> Response:
         return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -43,7 +43,7 @@ from ..generation.suffix import SuffixDrafter
 from ..store.payloads import model_module, storable
 from . import prefill
 from . import rows as batch_rows
-from .events import AsyncioSink, deliver
+from .events import BatchedSink
 from .metrics import Metrics
 from .speculation import can_speculate, speculative_step
 
@@ -80,10 +80,13 @@ class Request:
     drafter: Drafter | None = None
     rows: list | None = None  # prefilled with other newcomers: its row of their batch (`rows.stack` takes it)
     alone: bool = False  # its group's forward failed: prefilled alone from now on
+    on_cancel: Callable[[], None] | None = None  # tells an engine in another process (`engine_process`)
 
     def cancel(self) -> None:
         """Ask the engine to drop this request at its next step (a client that went away)."""
         self.cancelled = True
+        if self.on_cancel is not None:
+            self.on_cancel()
 
 
 class Engine:
@@ -132,6 +135,7 @@ class Engine:
         module = model_module(model)
         param = None if module is None else next(iter(module.parameters()), None)
         self.device = torch.device("cpu") if param is None else param.device
+        self.identity: Any = None  # the model's `ModelIdentity` in the store, at the first request
         self._inbox: deque[Request] = deque()
         self._wake = threading.Condition()
         self._prefilling: deque[Request] = deque()
@@ -173,6 +177,12 @@ class Engine:
             self._inbox.append(request)
             self._wake.notify()
         return request
+
+    @property
+    def store_writes_pending(self) -> int:
+        """Chunks queued for the store's background writer (0 without one)."""
+        writer = self.store.writer
+        return 0 if writer is None else writer.pending
 
     @property
     def active(self) -> dict[str, int]:
@@ -312,9 +322,8 @@ class Engine:
     # ------------------------------------------------------------------------------ batch
     def _join(self) -> None:
         """Stack the ready requests' caches into the running batch (one copy of the batch)."""
-        current = batch_rows.rows_of(self._cache, self._pads) if self._cache is not None else []
         joining = [r.rows if r.rows is not None else batch_rows.single(r.cache) for r in self._ready]
-        self._cache, self._pads = batch_rows.stack(current + joining)
+        self._cache, self._pads = batch_rows.join(self._cache, self._pads, joining)
         for request in self._ready:
             request.cache = request.rows = None  # its content lives in the batch now
         self._rows += self._ready
@@ -412,16 +421,16 @@ class Engine:
 
     def _send(self, request: Request, event: tuple[str, Any]) -> None:
         sink = request.on_event
-        if isinstance(sink, AsyncioSink):
-            self._outbox.setdefault(sink.loop, []).append((sink.queue, event))
+        if isinstance(sink, BatchedSink):
+            self._outbox.setdefault(sink.channel, []).append((sink.target, event))
         else:
             sink(event)
 
     def _flush(self) -> None:
-        """Hand this turn's events to their event loops, one call per loop."""
+        """Hand this turn's events over, one call per channel (an event loop, the server process)."""
         outbox, self._outbox = self._outbox, {}
-        for loop, items in outbox.items():
-            loop.call_soon_threadsafe(deliver, items)
+        for channel, items in outbox.items():
+            channel.deliver(items)
 
     def finish_early(self, request: Request, reason: str = "stop") -> None:
         """Called from the web side when a stop string appeared: the row leaves at its next step."""

@@ -1,5 +1,10 @@
-"""How the engine's events (tokens, ends, errors) reach the web side: each request's asyncio
-queue, fed on its event loop's thread, one call per loop and engine turn."""
+"""How the engine's events (tokens, ends, errors) leave its thread: each request's `on_event`.
+
+A `BatchedSink` names a channel and a target; the engine collects a turn's events per channel and
+hands them over in one `channel.deliver(items)` call (`Engine._flush`): one wake-up of the web
+server's event loop per step (`LoopChannel`), or one message to the server process when the
+engine runs in a process of its own (`engine_process`), not one per row and token.
+"""
 
 from __future__ import annotations
 
@@ -7,20 +12,37 @@ import asyncio
 from typing import Any
 
 
-class AsyncioSink:
-    """An `on_event` that hands the engine's events to `queue` on `loop` (thread-safe). The engine
-    collects the events of one turn for every such sink and hands them over in one call per event
-    loop (`Engine._flush`): one wake-up of the web server per step, not one per row and token."""
+class BatchedSink:
+    """An `on_event` whose events the engine batches per turn for `channel` (`channel.deliver`
+    takes `[(target, event), ...]`). Called directly, it delivers one event at once."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:
-        self.loop, self.queue = loop, queue
+    def __init__(self, channel: Any, target: Any) -> None:
+        self.channel, self.target = channel, target
 
     def __call__(self, event: tuple[str, Any]) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        self.channel.deliver([(self.target, event)])
 
 
-def asyncio_sink(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> AsyncioSink:
-    return AsyncioSink(loop, queue)
+class LoopChannel:
+    """The asyncio queues of one event loop (thread-safe): a batch is put into its queues, in
+    order, by one call on the loop. Channels of one loop are equal (one batch per loop)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+
+    def deliver(self, items: list[tuple[asyncio.Queue, tuple[str, Any]]]) -> None:
+        self.loop.call_soon_threadsafe(deliver, items)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LoopChannel) and other.loop is self.loop
+
+    def __hash__(self) -> int:
+        return id(self.loop)
+
+
+def asyncio_sink(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> BatchedSink:
+    """An `on_event` that puts the engine's events into `queue` on `loop`."""
+    return BatchedSink(LoopChannel(loop), queue)
 
 
 def deliver(items: list[tuple[asyncio.Queue, tuple[str, Any]]]) -> None:

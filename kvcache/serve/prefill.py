@@ -42,7 +42,9 @@ def start(engine: Any, request: Any) -> None:
     """Look `request`'s prompt up in the store: its cache starts from the longest stored prefix
     that leaves at least one prompt token to feed (the first token's logits come from it)."""
     chunk = engine.store.chunk_size
-    request.session = engine.store.session(engine.model)
+    if engine.identity is None:  # once per server: the served model does not change while it serves
+        engine.identity = engine.store.identity(engine.model)
+    request.session = engine.store.session(engine.model, engine.identity)
     limit = (len(request.prompt) - 1) // chunk * chunk
     request.cached_tokens, request.cache = request.session.lookup(request.prompt, max_tokens=limit)
     engine.metrics.prefix_lookups.inc()

@@ -165,12 +165,19 @@ class PrefixStore:
         return result
 
     # --------------------------------------------------------------------------- requests
-    def session(self, model: Any) -> Any:
+    def session(self, model: Any, identity: Any = None) -> Any:
         """One request's use of the store with `model` (`StoreSession`): its lookup, its prefill
-        and, while it decodes, the chunk boundaries it reaches."""
+        and, while it decodes, the chunk boundaries it reaches. `identity`: `self.identity(model)`
+        computed earlier, for a caller that knows the model has not changed since (a server)."""
         from .session import StoreSession
 
-        return StoreSession(self, model)
+        return StoreSession(self, model, identity)
+
+    def identity(self, model: Any) -> Any:
+        """`model`'s `ModelIdentity` in this store as it is now (its weights, config and layers)."""
+        from .session import model_identity
+
+        return model_identity(self, model)
 
     def lookup(self, tokens: Sequence[int], model: Any, *, max_tokens: int | None = None) -> tuple[int, Cache]:
         """`(matched, cache)`: the longest stored prefix of `tokens` (at most `max_tokens` tokens) and a
