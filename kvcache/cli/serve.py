@@ -256,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
         served, engine = build_engine(args)
         store_location = engine.store.location
     else:
-        engine = EngineProcess(args)
+        engine = EngineProcess(args, build_engine)
         engine.launch()  # the child loads the model while this process loads its tokenizer
         try:
             torch.set_num_threads(1)  # this process tokenizes and serves HTTP: no model computation

@@ -41,12 +41,14 @@ ENDS = frozenset({"done", "error", "unavailable"})
 
 
 class EngineProcess:
-    """An `Engine` (built by `kvcache.cli.serve.build_engine(args)`) in a spawned process, with the
-    interface the web side uses: `submit`, `finish_early`, `active`, `store_writes_pending`,
-    `metrics` (kept here, from the child's events), `start`, `stop`."""
+    """An `Engine`, built by `build(args)` in a spawned process, with the interface the web side
+    uses: `submit`, `finish_early`, `active`, `store_writes_pending`, `metrics` (kept here, from the
+    child's events), `start`, `stop`. `build` is a module-level function (the child imports it by
+    name), returning `(served model, engine)`: the command line passes its `build_engine`."""
 
-    def __init__(self, args: argparse.Namespace, metrics: Metrics | None = None) -> None:
-        self.args = args
+    def __init__(self, args: argparse.Namespace, build: Callable[[argparse.Namespace], tuple[Any, Any]],
+                 metrics: Metrics | None = None) -> None:  # fmt: skip
+        self.args, self.build = args, build
         self.metrics = metrics or Metrics()
         self.store_location = ""
         self._requests: dict[str, Request] = {}
@@ -70,7 +72,8 @@ class EngineProcess:
             return
         context = multiprocessing.get_context("spawn")  # fork is unsafe once torch's threads exist
         self._conn, child_end = context.Pipe()
-        self._process = context.Process(target=child_main, args=(child_end, self.args), name="kvcache-engine")
+        self._process = context.Process(target=child_main, args=(child_end, self.args, self.build),
+                                        name="kvcache-engine")
         self._process.start()
         child_end.close()  # the child's end lives in the child alone: its exit is our end-of-file
 
@@ -313,7 +316,7 @@ class _Relay:
                 return
 
 
-def child_main(conn: Any, args: argparse.Namespace) -> None:
+def child_main(conn: Any, args: argparse.Namespace, build: Callable[[argparse.Namespace], tuple[Any, Any]]) -> None:
     """The engine process: build the engine as the flags say, serve the pipe, close the store."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server's shutdown ends this process
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -323,10 +326,8 @@ def child_main(conn: Any, args: argparse.Namespace) -> None:
         with lock, contextlib.suppress(OSError, ValueError):  # the server is gone: the relay sees it too
             conn.send(message)
 
-    from ..cli.serve import build_engine
-
     try:
-        _, engine = build_engine(args)
+        _, engine = build(args)
     except KVCacheError as exc:
         send(("failed", exc))
         return
