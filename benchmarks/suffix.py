@@ -101,7 +101,7 @@ class _Session:
             self.accepted += sum(result.accepted_per_step)
             self.proposed += sum(result.proposed_per_step)
         self.outputs.append(out[0].tolist())
-        self.corpus.add(self.outputs[-1])  # what a server does when a request finishes
+        self.corpus.add(self.outputs[-1], len(ids))  # what a server does when a request finishes
         self.seconds += time.perf_counter() - start
 
 

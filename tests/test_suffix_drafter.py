@@ -109,25 +109,60 @@ def test_no_repetition_drafts_nothing_and_stays_exact(targets) -> None:
     assert sum(out.proposed_per_step) == 0
 
 
-def test_the_corpus_counts_equal_a_recount_within_its_budget() -> None:
+@pytest.mark.parametrize("prompts", [False, True])
+def test_the_corpus_counts_equal_a_recount_within_its_budget(prompts: bool) -> None:
+    """Fed (prompt, answer) sequences, the corpus counts what followed each context of 1 to 3 tokens
+    in the answers (contexts reaching back into the prompt), or everywhere with `prompts=True`, over
+    the most recently fed sequences, and holds an answer with its prompt's last 3 tokens (or the whole
+    sequence) within its budget of 200 tokens."""
     rng = random.Random(0)
-    corpus = SuffixCorpus(max_depth=3, max_tokens=200)
+    corpus = SuffixCorpus(max_depth=3, max_tokens=200, prompts=prompts)
     fed = []
-    for _ in range(40):
+    for _ in range(60):
         seq = [rng.randrange(6) for _ in range(rng.randrange(2, 30))]
-        corpus.add(seq)
-        fed.append(seq)
-    assert corpus.tokens <= 200
+        prompt_length = rng.randrange(len(seq) + 1)
+        corpus.add(seq, prompt_length)
+        counted = max(1, 0 if prompts else prompt_length)
+        if counted < len(seq):  # a prompt without an answer teaches nothing: not held
+            fed.append((seq, counted))
+    assert 0 < corpus.tokens <= 200
     held = fed[len(fed) - len(corpus) :]  # the most recently fed, in order
-    assert sum(len(s) for s in held) == corpus.tokens
+    assert sum(len(seq) - max(counted - 3, 0) for seq, counted in held) == corpus.tokens
     naive: dict[tuple, Counter] = {}
-    for seq in held:
-        for end in range(1, len(seq)):
+    for seq, counted in held:
+        for end in range(counted, len(seq)):
             for n in range(1, min(3, end) + 1):
                 naive.setdefault(tuple(seq[end - n : end]), Counter())[seq[end]] += 1
     assert len(corpus._counts.counts) == len(naive)  # nothing left behind by forgotten sequences
     for context, counts in naive.items():
         assert corpus.get(context) == dict(counts), context
+
+
+def test_a_drafter_feeds_its_answer_when_it_finishes() -> None:
+    """`finish` (or the next `start`) feeds the sequence the drafter followed: with the default
+    corpus, what followed in the answer, its contexts reaching into the prompt's end."""
+    corpus = SuffixCorpus(max_depth=2)
+    drafter = SuffixDrafter(corpus)
+    drafter.start([1, 2, 3, 4], device=torch.device("cpu"))
+    drafter.propose([1, 2, 3, 4, 5, 6], 2, lambda logits: (0, None))  # two tokens answered
+    drafter.start([9, 9], device=torch.device("cpu"))  # a new request: the previous one is fed
+    assert len(corpus) == 1 and corpus.tokens == 4  # the answer and the prompt's last 2 tokens
+    assert corpus.get((4,)) == {5: 1} and corpus.get((3, 4)) == {5: 1} and corpus.get((5,)) == {6: 1}
+    assert corpus.get((2,)) is None and corpus.get((1, 2)) is None  # the prompt's own continuations
+    drafter.finish()
+    assert len(corpus) == 1 and corpus.get((9,)) is None  # nothing answered: nothing counted nor held
+
+
+def test_bad_corpus_arguments_are_refused_and_change_nothing() -> None:
+    corpus = SuffixCorpus(max_depth=3)
+    corpus.add([1, 2, 3, 4], 2)
+    before = (dict(corpus._counts.counts), corpus.tokens, len(corpus))
+    for bad in (-1, True, 1.5, "2", None):
+        with pytest.raises(GenerationError, match="prompt_length"):
+            corpus.add([5, 6, 7], bad)
+    assert (dict(corpus._counts.counts), corpus.tokens, len(corpus)) == before
+    with pytest.raises(GenerationError, match="prompts"):
+        SuffixCorpus(prompts="yes")  # type: ignore[arg-type]
 
 
 def test_proposals_follow_the_most_frequent_continuation() -> None:

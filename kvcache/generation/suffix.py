@@ -88,15 +88,25 @@ class ContinuationCounts:
 
 
 class SuffixCorpus:
-    """Continuation counts over the sequences fed to it (previous requests' prompts and answers),
-    at most `max_tokens` tokens of them (the least recently fed sequences are forgotten first).
-    Memory: about 0.7 KB per token held at depth 8 (`benchmarks/suffix.py`), 70 MB by default."""
+    """Continuation counts over the sequences fed to it (previous requests' answers, and their
+    prompts with `prompts=True`), at most `max_tokens` tokens of them (the least recently fed
+    sequences are forgotten first). Memory: about 0.7 KB per token held at depth 8
+    (`benchmarks/suffix.py`), 70 MB by default.
 
-    def __init__(self, max_depth: int = 8, max_tokens: int = 100_000) -> None:
+    By default only what followed in answers is counted (a context may reach back into its prompt's
+    last `max_depth` tokens, so an answer's first tokens are drafted from how its prompt ended), as
+    SuffixDecoding's global tree holds outputs only: the drafter reads the current prompt itself,
+    and counting every prompt again costs most of the feeding (an agent's prompts are several times
+    its answers) for drafts of prompt text that answers rarely repeat (`benchmarks/suffix.py`)."""
+
+    def __init__(self, max_depth: int = 8, max_tokens: int = 100_000, *, prompts: bool = False) -> None:
         self.max_depth = _check_positive("max_depth", max_depth)
         self.max_tokens = _check_positive("max_tokens", max_tokens)
+        if not isinstance(prompts, bool):
+            raise GenerationError(f"prompts must be True or False, got {prompts!r}")
+        self.prompts = prompts
         self._counts = ContinuationCounts(max_depth)
-        self._sequences: OrderedDict[int, list[int]] = OrderedDict()
+        self._sequences: OrderedDict[int, tuple[list[int], int]] = OrderedDict()
         self._next_id = 0
         self.tokens = 0
 
@@ -104,18 +114,25 @@ class SuffixCorpus:
         """Sequences held."""
         return len(self._sequences)
 
-    def add(self, tokens: Sequence[int]) -> None:
-        """Feed one sequence (a request's prompt and answer); forget the oldest ones past the budget."""
-        kept = [int(t) for t in tokens][-self.max_tokens :]
-        if len(kept) < 2:
+    def add(self, tokens: Sequence[int], prompt_length: int = 0) -> None:
+        """Feed one sequence (a finished request's prompt, its first `prompt_length` tokens, and its
+        answer); forget the oldest ones past the budget. What followed inside the prompt is counted
+        only with `prompts=True`: otherwise the corpus keeps the answer and the `max_depth` prompt
+        tokens before it."""
+        if isinstance(prompt_length, bool) or not isinstance(prompt_length, int) or prompt_length < 0:
+            raise GenerationError(f"prompt_length must be a non-negative int, got {prompt_length!r}")
+        counted = 0 if self.prompts else min(prompt_length, len(tokens))
+        first = max(counted - self.max_depth, len(tokens) - self.max_tokens, 0)
+        kept, counted = [int(t) for t in tokens[first:]], max(counted - first, 1)
+        if len(kept) <= counted:
             return
-        self._counts.add(kept)
-        self._sequences[self._next_id] = kept
+        self._counts.add(kept, start=counted)
+        self._sequences[self._next_id] = kept, counted
         self._next_id += 1
         self.tokens += len(kept)
         while self.tokens > self.max_tokens:
-            _, oldest = self._sequences.popitem(last=False)
-            self._counts.add(oldest, sign=-1)
+            _, (oldest, start) = self._sequences.popitem(last=False)
+            self._counts.add(oldest, start=start, sign=-1)
             self.tokens -= len(oldest)
 
     def get(self, context: Context) -> dict[int, int] | None:
@@ -157,11 +174,12 @@ class SuffixDrafter(Drafter):
         self.per_match = float(per_match)
         self._own = ContinuationCounts(self.corpus.max_depth)
         self._tokens: list[int] = []
+        self._prompt_length = 0
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SuffixDrafter:
         """A batch copies the drafter per row: each row gets its own sequence, the corpus is shared."""
         twin = copy.copy(self)
-        twin._own, twin._tokens = ContinuationCounts(self.corpus.max_depth), []
+        twin._own, twin._tokens, twin._prompt_length = ContinuationCounts(self.corpus.max_depth), [], 0
         return twin
 
     def start(self, prompt: Sequence[int], *, device: torch.device, **kwargs: Any) -> None:
@@ -169,17 +187,19 @@ class SuffixDrafter(Drafter):
         self._own = ContinuationCounts(self.corpus.max_depth)
         self._tokens = []
         self._catch_up(prompt)
+        self._prompt_length = len(self._tokens)
 
     def finish(self) -> None:
-        """Feed the sequence so far to the corpus (once) and forget it."""
+        """Feed the sequence so far (its prompt and answer) to the corpus (once) and forget it."""
         if self._tokens:
-            self.corpus.add(self._tokens)
-        self._tokens, self._own = [], ContinuationCounts(self.corpus.max_depth)
+            self.corpus.add(self._tokens, self._prompt_length)
+        self._tokens, self._own, self._prompt_length = [], ContinuationCounts(self.corpus.max_depth), 0
 
     def _catch_up(self, sequence: Sequence[int]) -> None:
         done = len(self._tokens)
         if len(sequence) < done or list(sequence[max(done - 1, 0) : done]) != self._tokens[max(done - 1, 0) :]:
             self._own, self._tokens, done = ContinuationCounts(self.corpus.max_depth), [], 0
+            self._prompt_length = 0  # a sequence of its own: fed whole
         self._tokens.extend(int(t) for t in sequence[done:])
         self._own.add(self._tokens, start=max(done, 1))
 

@@ -408,7 +408,7 @@ class Engine:
     def _finish(self, request: Request, reason: str) -> None:
         request.finish_reason = reason
         if self.suffix_corpus is not None and reason in ("stop", "length"):
-            self.suffix_corpus.add(request.prompt + request.tokens)  # later requests draft from it
+            self.suffix_corpus.add(request.prompt + request.tokens, len(request.prompt))  # later requests draft from it
         request.cache = None
         self._send(request, ("done", reason))
 
