@@ -302,27 +302,43 @@ def test_suffix_drafting_learns_from_finished_requests_and_changes_no_answer(bun
     assert second_steps < first_steps / 2, (first_steps, second_steps)
 
 
-def test_seeded_sampling_under_the_draft_gate_is_what_plain_decoding_samples(bundled) -> None:
-    """Under the adaptive draft gate a sampling row drafts nothing (how much the gate drafts hangs
-    on timing, and a seeded row's random draws must not): seeded sampled answers, next to greedy
-    rows that do draft, are those of the same engine without speculation."""
+def test_seeded_sampling_with_lookup_drafts_is_what_plain_decoding_samples(bundled) -> None:
+    """Prompt-lookup and suffix drafts are point masses, verified by a sampling row's own draws in
+    turn (`Verifier.verify`): seeded sampled answers, next to greedy rows, are those of the same
+    engine without speculation, however much the adaptive gate drafted. Sent again with suffix
+    drafting, the sampled answers repeat (same seeds), the corpus holds them, and the rows keep
+    their drafts: far fewer steps, the same answers."""
+    from kvcache.generation import SuffixCorpus
+
     model, tokenizer = bundled
     prompts = [prompt_ids(tokenizer, i, n) for i, n in enumerate((30, 70, 45, 90))]
 
-    def answers(**kwargs) -> list[list[int]]:
-        engine = Engine(model, PrefixStore(chunk_size=16), eos=[], **kwargs)
+    def answers(rounds: int = 1, greedy_rows: bool = True, **kwargs) -> list[tuple[list[list[int]], int]]:
+        counting = CountingModel(model)
+        engine = Engine(counting, PrefixStore(chunk_size=16), eos=[], **kwargs)
         engine.start()
         try:
-            requests = [Request(prompt=p, max_tokens=30, seed=i, sampling=Sampling(i % 2 == 0, temperature=1.3))
-                        for i, p in enumerate(prompts)]  # fmt: skip
-            run_requests(engine, requests)
-            return [r.tokens for r in requests]
+            out = []
+            for _ in range(rounds):
+                before = len(counting.fed)
+                requests = [Request(prompt=p, max_tokens=30, seed=i,
+                                    sampling=Sampling(not greedy_rows or i % 2 == 0, temperature=1.3))
+                            for i, p in enumerate(prompts)]  # fmt: skip
+                run_requests(engine, requests)
+                steps = [s for s in counting.fed[before:] if s[1] <= 9]  # decode and verify forwards
+                out.append(([r.tokens for r in requests], len(steps)))
+            return out
         finally:
             engine.stop()
 
-    plain = answers()
+    plain = answers()[0][0]
     for _ in range(2):  # the gate's choices differ between runs; the samples may not
-        assert answers(speculative=6) == plain
+        assert answers(speculative=6)[0][0] == plain
+    sampled = answers(greedy_rows=False)[0][0]
+    suffix = {"speculative": 8, "suffix_corpus": SuffixCorpus(), "draft_schedule": "constant"}
+    (first, first_steps), (second, second_steps) = answers(2, greedy_rows=False, **suffix)
+    assert first == sampled and second == sampled
+    assert second_steps < first_steps / 2, (first_steps, second_steps)
 
 
 def test_under_the_gate_rows_draft_only_while_the_batch_is_small_enough(bundled) -> None:

@@ -577,6 +577,7 @@ def test_sampling_rule_matches_target_distribution(drafter, temperature, top_k, 
             top_p=top_p,
             generator=generator,
             intermediate_states=None if intermediate else False,
+            draft_schedule="acceptance",  # drafts at every step, so the rule is what is tested
         )
         counts[tuple(out.sequences[0, len(prompt) :].tolist())] += 1
         accepted += sum(out.accepted_per_step)
@@ -599,6 +600,44 @@ def test_sampling_rule_matches_target_distribution(drafter, temperature, top_k, 
         pooled_draft = [draft_dist[s] * runs for s in big] + [sum(draft_dist[s] for s in small) * runs]
         expected_wrong = sum((d - w) ** 2 / w for d, w in zip(pooled_draft, wanted, strict=True))
         assert expected_wrong > 5 * bound
+
+
+class _Foreseeing(Drafter):
+    """Point-mass drafts of a known answer, every `wrong`-th token of it changed: drafts that are
+    kept in part and rejected in part, at known positions."""
+
+    reports_match = True
+
+    def __init__(self, answer: list[int], wrong: int) -> None:
+        self.answer, self.wrong = answer, wrong
+
+    def propose(self, sequence, num_tokens, pick):
+        n = len(sequence)
+        tokens = self.answer[n : n + num_tokens]
+        return Draft([(t + 1) % VOCAB if (n + i) % self.wrong == 0 else t for i, t in enumerate(tokens)], match=8)
+
+
+@pytest.mark.parametrize("kind", ["full", "sliding", "hybrid", "encoder_decoder"])
+@pytest.mark.parametrize("schedule", ["adaptive", "acceptance", "constant"])
+def test_sampling_with_point_mass_drafts_returns_plain_samplings_tokens(targets, kind, schedule):
+    """A point-mass draft is verified by the target's own draw at each position in turn (kept while
+    they agree), so a seeded sampled run returns the tokens `generate` samples from the same seed,
+    whatever the schedule drafts. The drafts are plain sampling's own answer with every fifth token
+    changed, so they are both kept and rejected. (float64 targets: a verify forward's logits and a
+    one-token step's are different computations; their last-bit differences never reach a draw here.)"""
+    target = targets[kind]
+    prompt = torch.tensor([[3, 4, 5, 6, 3, 4, 5, 6, 3, 4]])
+    kept = rejected = 0
+    for seed in range(3):
+        options = {"max_new_tokens": NEW_TOKENS, "do_sample": True, "temperature": 1.5}
+        plain = generate(target, prompt, generator=torch.Generator().manual_seed(seed), **options)
+        drafter = _Foreseeing(plain.sequences[0].tolist(), 5)
+        out = speculative_generate(target, drafter, prompt, num_draft_tokens=3, draft_schedule=schedule,
+                                   generator=torch.Generator().manual_seed(seed), **options)  # fmt: skip
+        assert torch.equal(out.sequences, plain.sequences)
+        kept += sum(out.accepted_per_step)
+        rejected += sum(out.proposed_per_step) - sum(out.accepted_per_step)
+    assert kept > 0 and rejected > 0
 
 
 @pytest.mark.parametrize("kind", ["sliding", "hybrid"])

@@ -15,7 +15,7 @@ import torch
 from test_speculative import make_target, plain_greedy
 
 from kvcache import GenerationError
-from kvcache.generation import DraftGate, generate, speculative_generate
+from kvcache.generation import DraftGate, ModelDrafter, generate, speculative_generate
 from kvcache.generation.suffix import SuffixCorpus, SuffixDrafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -93,11 +93,19 @@ def test_a_gate_carried_across_requests_keeps_what_it_measured(targets) -> None:
     assert all(recorded), recorded  # one gate measured every step of all three runs
     clocks = [(gate.cost.clock, gate.judged)]
     batch = {"input_ids": prompt.repeat(2, 1), "attention_mask": torch.ones(2, prompt.shape[1], dtype=torch.long)}
-    for bad in ({"num_draft_tokens": 4}, {"do_sample": True}, batch):
+    sampled = {"do_sample": True, "temperature": 1.5}
+    for drafter, bad in ((SuffixDrafter(corpus), {"num_draft_tokens": 4}), (SuffixDrafter(corpus), batch),
+                         (ModelDrafter(target), sampled)):  # a draft model that samples draws from the generator
         kwargs = {"input_ids": prompt, "num_draft_tokens": 6, "max_new_tokens": 4, **bad}
         with pytest.raises(GenerationError, match="DraftGate"):
-            speculative_generate(target, SuffixDrafter(corpus), draft_schedule=gate, **kwargs)
+            speculative_generate(target, drafter, draft_schedule=gate, **kwargs)
         assert (gate.cost.clock, gate.judged) == clocks[-1]
+    # suffix drafts are point masses: a sampled run keeps the gate, and returns plain sampling's tokens
+    plain = generate(target, prompt, max_new_tokens=NEW, generator=torch.Generator().manual_seed(3), **sampled)
+    out = speculative_generate(target, SuffixDrafter(corpus), prompt, num_draft_tokens=6, max_new_tokens=NEW,
+                               draft_schedule=gate, generator=torch.Generator().manual_seed(3), **sampled)  # fmt: skip
+    assert torch.equal(out.sequences, plain.sequences)
+    assert gate.cost.clock > clocks[-1][0]
 
 
 def test_no_repetition_drafts_nothing_and_stays_exact(targets) -> None:

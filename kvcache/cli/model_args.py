@@ -40,15 +40,16 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, draft_model: bool) -
                         "for --model)")
     parser.add_argument("--prompt-lookup", type=int, default=None, metavar="K",
                         help="speculative decoding that drafts up to K tokens per step from the text so far "
-                        "(no draft model); the output is the same")
+                        "(no draft model); the output is the same, sampled too (seed for seed)")
     parser.add_argument("--suffix-draft", type=int, default=None, metavar="K",
                         help="speculative decoding that drafts up to K tokens from what most often followed the "
                         "current context before: in this text and, in a server, in earlier requests' prompts and "
-                        "answers (no draft model); the output is the same")
+                        "answers (no draft model); the output is the same, sampled too (seed for seed)")
     if draft_model:
         parser.add_argument("--draft-model", metavar="DIR",
                             help="speculative decoding with this transformers directory as the draft model (same "
-                            "tokenizer as --model); the output is the same")
+                            "tokenizer as --model); greedy output is the same, sampled output follows the same "
+                            "distribution")
         parser.add_argument("--draft-tokens", type=int, default=DEFAULT_DRAFT_TOKENS, metavar="K",
                             help=f"draft tokens per step of --draft-model (default {DEFAULT_DRAFT_TOKENS})")
 

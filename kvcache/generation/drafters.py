@@ -44,6 +44,10 @@ class Drafter(ABC):
     #: Whether proposals say their match length (`Draft.match`) and cost little: the default
     #: schedule then asks for one at every step it might draft and sizes the draft by its match.
     reports_match: bool = False
+    #: Whether proposals draw from the run's generator (a draft model that samples, through `pick`).
+    #: Drafts that do not (point masses: lookups) leave a sampled run's draws those of plain
+    #: sampling, so its tokens are plain sampling's, seed for seed, whatever was drafted.
+    samples: bool = False
 
     def start(  # noqa: B027  (an optional hook)
         self,
@@ -77,6 +81,8 @@ class ModelDrafter(Drafter):
     of the last round, or the last accepted draft token and the bonus token). After verification
     its cache is rolled back exactly to the tokens the target kept, and committed.
     """
+
+    samples = True
 
     def __init__(self, model: Any, **model_kwargs: Any) -> None:
         for attr in ("vocab_size", "new_cache"):

@@ -4,15 +4,19 @@ A drafter proposes k tokens; the target verifies them in one forward; the longes
 plus one token from the target are kept, and both caches are cropped back to exactly the kept
 tokens and committed. With greedy decoding the output is the target's own greedy output; with
 sampling the standard speculative-sampling rule (Leviathan et al. 2023, Chen et al. 2023) keeps the
-output distribution equal to the target's.
+output distribution equal to the target's. Drafts that are point masses (prompt lookup, suffix
+drafting) are verified by drawing the target's own token at each position in turn and keeping the
+draft while they agree: for a point mass that is the same rule (a draft token is kept with
+probability p(x); a rejection's token follows p without x), and it draws exactly what plain
+sampling draws, so a seeded sampled run returns plain sampling's tokens, seed for seed.
 
 Recurrent layers can be cropped inside the verify forward only when the model handed the cache the
 per-token intermediate states (the reference models' `set_return_intermediate_states`, wrapped
 transformers Mamba2 / Qwen3-Next through `set_per_token_recurrence`); otherwise the target is
 cropped to the start of the verify forward and the accepted tokens are fed again, in front of the
 next verify forward (so a rejection costs no forward of its own; when many such tokens pile up,
-one plain step feeds them). `SpeculativeOutput` says which ran. With greedy decoding and
-`draft_schedule="adaptive"` (the default) each step drafts the number of tokens, none included,
+one plain step feeds them). `SpeculativeOutput` says which ran. With greedy decoding or
+point-mass drafts and `draft_schedule="adaptive"` (the default) each step drafts the number of tokens, none included,
 that the run's own measurements say gives the most tokens per second (`DraftGate`); a step that
 drafts nothing is not recorded for rollback, so it costs what a plain decoding step costs.
 
@@ -153,23 +157,24 @@ class Verifier:
                 accepted += 1
             return accepted, [*draft.tokens[:accepted], choice[accepted]]
         p = self.probs(target_logits)
-        if n == 0:
-            return 0, [self.sample(p[0])]
+        if draft.probs is None:  # point masses (or nothing): plain sampling's draws, position by position
+            drawn = []
+            for proposed in draft.tokens:
+                drawn.append(self.sample(p[len(drawn)]))
+                if drawn[-1] != proposed:
+                    return len(drawn) - 1, drawn
+            return n, [*drawn, self.sample(p[n])]
         proposed = torch.tensor(draft.tokens, device=p.device)
         rows = torch.arange(n, device=p.device)
         p_x = p[rows, proposed]
-        q_x = draft.probs[rows, proposed].to(p.dtype) if draft.probs is not None else torch.ones_like(p_x)
+        q_x = draft.probs[rows, proposed].to(p.dtype)
         # Accept x with probability min(1, p(x) / q(x)); keep the prefix before the first rejection.
         uniform = torch.rand(n, generator=self.generator, device=p.device, dtype=p.dtype)
         rejected = (uniform * q_x > p_x).tolist()
         accepted = rejected.index(True) if True in rejected else n
         if accepted == n:
             return n, [*draft.tokens, self.sample(p[n])]  # the bonus token, from the target alone
-        if draft.probs is not None:
-            residual = (p[accepted] - draft.probs[accepted].to(p.dtype)).clamp_min(0)
-        else:  # a point-mass draft: max(0, p - onehot(x)) is p without x
-            residual = p[accepted].clone()
-            residual[draft.tokens[accepted]] = 0
+        residual = (p[accepted] - draft.probs[accepted].to(p.dtype)).clamp_min(0)
         if not bool(residual.sum() > 0):  # p == q up to rounding: a rejection had probability ~0
             residual = p[accepted]
         return accepted, [*draft.tokens[:accepted], self.sample(residual / residual.sum())]
@@ -203,7 +208,9 @@ def speculative_generate(
     (e.g. `PromptLookupDrafter()`) or a draft model of the same kind and vocabulary, which is wrapped
     in a `ModelDrafter`. Each step proposes up to `num_draft_tokens` tokens and verifies them in one
     target forward. Greedy (`do_sample=False`) returns exactly the target's greedy output; sampling
-    returns a sample of the target's own (temperature / top-k / top-p processed) distribution.
+    returns a sample of the target's own (temperature / top-k / top-p processed) distribution, and
+    with a drafter that does not sample (prompt lookup, suffix drafting: `Drafter.samples` False)
+    exactly the tokens `generate` samples with the same generator state.
     `intermediate_states`: have a model with `set_return_intermediate_states` hand its per-token
     recurrent states to the cache during verification, so rejected tokens are cropped in place;
     None = whenever the target supports it; False = never (rollback re-feeds the accepted tokens).
@@ -224,12 +231,14 @@ def speculative_generate(
     default: for greedy decoding, each step drafts the length from 0 to `num_draft_tokens` with
     the most expected tokens per second, from what forwards, the drafter and its acceptance cost
     and earned so far in the run, the acceptance kept current by one-token shadow proposals while
-    not drafting; sampling uses "acceptance", which keeps seeded runs reproducible, and so do
-    batches, row by row); "constant" (always `num_draft_tokens`). Greedy output does not depend on it.
+    not drafting; sampling with a draft model uses "acceptance", which keeps seeded runs
+    reproducible, and so do batches, row by row); "constant" (always `num_draft_tokens`). Greedy
+    output does not depend on it, nor does sampled output with drafts that are point masses.
     A `DraftGate(num_draft_tokens)` is "adaptive" carried from call to call: what earlier runs
     measured (forward costs, acceptance, the draft length reached) decides this run's first steps,
     instead of a fresh start that probes from plain steps and one-token drafts; pass one per agent
-    session or server, as `SuffixDrafter`'s corpus is (single-row greedy runs).
+    session or server, as `SuffixDrafter`'s corpus is (single-row runs, greedy or with a drafter
+    that does not sample).
     `prefix_store`: the target starts from the prompt's longest stored prefix, as in `generate`.
     """
     encoder_decoder = check_model(target)
@@ -240,11 +249,12 @@ def speculative_generate(
     check_int("max_new_tokens", max_new_tokens, minimum=1)
     carried = draft_schedule if isinstance(draft_schedule, DraftGate) else None
     if carried is not None:
-        if carried.maximum != num_draft_tokens or do_sample or batched:
+        sampled_drafts = do_sample and drafter.samples
+        if carried.maximum != num_draft_tokens or sampled_drafts or batched:
             raise GenerationError(
-                f"a DraftGate carried across calls serves single-row greedy runs of its own maximum: it drafts up to "
-                f"{carried.maximum} tokens, this call asks for {num_draft_tokens}"
-                f"{', samples' if do_sample else ''}{', is a batch' if batched else ''}",
+                f"a DraftGate carried across calls serves single-row runs of its own maximum, greedy or with a "
+                f"drafter that does not sample: it drafts up to {carried.maximum} tokens, this call asks for "
+                f"{num_draft_tokens}{', samples drafts' if sampled_drafts else ''}{', is a batch' if batched else ''}",
                 param="draft_schedule",
             )
         draft_schedule = "adaptive"
@@ -286,9 +296,10 @@ def speculative_generate(
             drafter.start(sequence, device=device, cache=draft_cache)  # type: ignore[call-arg]
         else:
             drafter.start(sequence, device=device)
-    # timing decides when to draft, so a sampled run would consume its generator differently
-    # from one run to the next: sampling keeps the reproducible schedule
-    gate = carried or (DraftGate(num_draft_tokens) if draft_schedule == "adaptive" and not do_sample else None)
+    # timing decides when to draft, so a run whose drafts draw from the generator would consume it
+    # differently from one run to the next: it keeps the reproducible schedule
+    timed = draft_schedule == "adaptive" and not (do_sample and drafter.samples)
+    gate = carried or (DraftGate(num_draft_tokens) if timed else None)
     # the gate measures a plain step before any draft, so the prefill may as well give the first token
     first = runner.prefill(sequence, whole=gate is not None)
     restore = use_intermediate(True)

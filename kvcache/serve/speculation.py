@@ -12,7 +12,8 @@ state at it), and at its next quantized block boundary (a verify forward's queri
 single steps would see quantized: `Cache.forward_segments`). Rows with shorter drafts are padded
 with their own last token, never accepted. The acceptance rule is the speculative-decoding one
 (`kvcache.generation.speculative`): greedy rows keep the drafts the target's argmax agrees with,
-sampling rows follow the speculative-sampling rule, so the output is the target's own either way.
+sampling rows follow the speculative-sampling rule, so the output is the target's own either way
+(for lookup drafts, a seeded row's very tokens).
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ def _cut(draft: Draft, n: int) -> Draft:
 def speculative_step(engine: Any) -> None:
     rows, cache, gate = engine._rows, engine._cache, engine.draft_gate
     started = time.perf_counter()
-    # Under the gate, sampling rows draft nothing: how much it drafts hangs on timing, and a seeded
-    # row's random draws must not (its tokens are then those of a plain step, seed for seed).
-    asked = [0 if gate is not None and r.sampling.do_sample else engine.speculative for r in rows]
+    # Sampling rows draft too: the gate's drafts are point masses, verified by the row's own draws
+    # in turn (`Verifier.verify`), so a seeded row's tokens are those of plain steps, seed for seed,
+    # however much timing lets it draft.
+    asked = [engine.speculative] * len(rows)
     if gate is not None and not gate.worth_asking(len(rows), engine.speculative):
         # no width could pay: a few rows (in turn) are asked for one token, judged as shadows
         shadows, first = gate.shadow_rows(len(rows)), engine.shadow_turn
