@@ -10,7 +10,9 @@
    schedule, carried across the requests as one `DraftGate` as a session would, chooses how many;
    32 measured better than 8 and 16 for both drafters), each
    checked token for token against plain decoding. Then the same with prompts of random
-   characters (no repetition to find): what drafting costs when it cannot help. Quick and full
+   characters (no repetition to find): what drafting costs when it cannot help; and the agent
+   workload sampled (temperature 0.7, a seed per request), where lookup drafts must return plain
+   sampling's very tokens (each position's token is the target's own draw). Quick and full
    runs add the agent workload on an LFM2-shaped transformers hybrid (random weights, a trained
    BPE tokenizer) where transformers is installed.
 2. The drafter alone: time per proposal and the corpus's memory against the tokens it holds, 1k
@@ -83,20 +85,23 @@ class _Session:
     """One contender's sequence of requests: its corpus and schedule carried from request to request,
     as a session would carry them; seconds, outputs and drafts accepted summed over its requests."""
 
-    def __init__(self, model: Any, how: str) -> None:
-        self.model, self.how = model, how
+    def __init__(self, model: Any, how: str, temperature: float) -> None:
+        self.model, self.how, self.temperature = model, how, temperature
         self.corpus, self.gate = SuffixCorpus(), DraftGate(K)
         self.seconds, self.outputs, self.accepted, self.proposed = 0.0, [], 0, 0
 
-    def request(self, ids: list[int], new: int) -> None:
+    def request(self, ids: list[int], new: int, seed: int) -> None:
         prompt = torch.tensor([ids])
+        options: dict[str, Any] = {"max_new_tokens": new, "eos_token_id": []}
+        if self.temperature:  # the same seed for every contender's i-th request
+            options.update(do_sample=True, temperature=self.temperature, generator=torch.Generator().manual_seed(seed))
         start = time.perf_counter()
         if self.how == "plain":
-            out = generate(self.model, prompt, max_new_tokens=new, eos_token_id=[]).sequences
+            out = generate(self.model, prompt, **options).sequences
         else:
             drafter = PromptLookupDrafter() if self.how == "prompt lookup" else SuffixDrafter(self.corpus)
-            result = speculative_generate(self.model, drafter, prompt, num_draft_tokens=K, max_new_tokens=new,
-                                          eos_token_id=[], draft_schedule=self.gate)  # fmt: skip
+            result = speculative_generate(self.model, drafter, prompt, num_draft_tokens=K, draft_schedule=self.gate,
+                                          **options)  # fmt: skip
             out = result.sequences
             self.accepted += sum(result.accepted_per_step)
             self.proposed += sum(result.proposed_per_step)
@@ -105,28 +110,30 @@ class _Session:
         self.seconds += time.perf_counter() - start
 
 
-def _run(model: Any, prompts: list[list[int]], new: int,
-         hows: tuple[str, ...]) -> dict[str, tuple[float, list[list[int]], float]]:  # fmt: skip
+def _run(model: Any, prompts: list[list[int]], new: int, hows: tuple[str, ...],
+         temperature: float = 0.0) -> dict[str, tuple[float, list[list[int]], float]]:  # fmt: skip
     """Every contender through the same requests, interleaved request by request (the order rotating),
     so that a drift of the machine's speed falls on all of them: per contender, the seconds its
     requests took, its outputs, and the share of drafts accepted."""
-    sessions = [_Session(model, how) for how in hows]
+    sessions = [_Session(model, how, temperature) for how in hows]
     for i, ids in enumerate(prompts):
         for session in sessions[i % len(sessions) :] + sessions[: i % len(sessions)]:
-            session.request(ids, new)
+            session.request(ids, new, seed=i)
     return {s.how: (s.seconds, s.outputs, s.accepted / max(s.proposed, 1)) for s in sessions}
 
 
-def _workloads(mode: str, count: int, tmp: str) -> list[tuple[str, Any, Any, list[str]]]:
-    """(label, model, encode, prompts): the bundled model on both workloads and, where transformers is
+def _workloads(mode: str, count: int, tmp: str) -> list[tuple[str, Any, Any, list[str], float]]:
+    """(label, model, encode, prompts, temperature; 0 is greedy): the bundled model on both workloads,
+    greedy, and on the agent workload sampled; where transformers is
     installed (not in smoke runs), an LFM2-shaped hybrid (short convolutions and attention, 4 layers,
     hidden 256, random weights, a trained BPE tokenizer) on the agent workload."""
     from kvcache.models import load_default_model
 
     model, tokenizer = load_default_model()
-    rows = [("agent (templated tool calls)", model, tokenizer.encode, agent_prompts(count)),
+    rows = [("agent (templated tool calls)", model, tokenizer.encode, agent_prompts(count), 0.0),
             ("no repetition (random characters)", model, tokenizer.encode,
-             random_prompts(count, tokenizer.alphabet[:60]))]  # fmt: skip
+             random_prompts(count, tokenizer.alphabet[:60]), 0.0),
+            ("sampled agent (temperature 0.7)", model, tokenizer.encode, agent_prompts(count), 0.7)]  # fmt: skip
     if mode != "smoke":
         try:
             from pathlib import Path
@@ -138,7 +145,8 @@ def _workloads(mode: str, count: int, tmp: str) -> list[tuple[str, Any, Any, lis
             except ImportError:  # run as a script
                 from serve_anchor import build_dir  # type: ignore[no-redef]
             hybrid = from_directory(build_dir(Path(tmp) / "lfm2", "lfm2"))
-            rows.append(("agent, LFM2-shaped hybrid (transformers)", hybrid.model, hybrid.encode, agent_prompts(count)))
+            rows.append(("agent, LFM2-shaped hybrid (transformers)", hybrid.model, hybrid.encode, agent_prompts(count),
+                         0.0))  # fmt: skip
         except ImportError:
             pass
     return rows
@@ -154,10 +162,10 @@ def workload_table(mode: str) -> tuple[Table, list[Target], dict[str, Any]]:
     figures: dict[str, Any] = {}
     targets = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, model, encode, texts in _workloads(mode, count, tmp):
+        for name, model, encode, texts, temperature in _workloads(mode, count, tmp):
             prompts = [encode(t) for t in texts]
-            _run(model, prompts[:1], 4, ("plain", "suffix"))  # warm-up
-            results = _run(model, prompts, new, ("plain", "prompt lookup", "suffix"))
+            _run(model, prompts[:1], 4, ("plain", "suffix"), temperature)  # warm-up
+            results = _run(model, prompts, new, ("plain", "prompt lookup", "suffix"), temperature)
             plain_s, plain_out, _ = results["plain"]
             answers = [out[len(ids) :] for out, ids in zip(plain_out, prompts, strict=True)]
             repeats = sum(answer in answers[:i] for i, answer in enumerate(answers))  # how repetitive the traffic is
@@ -176,14 +184,15 @@ def workload_table(mode: str) -> tuple[Table, list[Target], dict[str, Any]]:
                 targets.append(Target(f"suffix drafting against prompt lookup, {name}", ">= 1.5x",
                                       f"{lookup_x:.2f}x", lookup_x >= 1.5, "prompt lookup also finds the repeats "
                                       "inside one request"))  # fmt: skip
-            else:
+            elif not temperature:
                 targets.append(Target("suffix drafting with nothing to find", ">= 0.95x plain decoding",
                                       f"{suffix_x:.2f}x", suffix_x >= 0.95, "proposals that find nothing still "
                                       "cost a lookup per step"))  # fmt: skip
             same = all(results[h][1] == plain_out for h in results)
-            targets.append(Target(f"suffix drafting, {name}: tokens", "= plain greedy",
+            reference = "plain sampling, seed for seed" if temperature else "plain greedy"
+            targets.append(Target(f"suffix drafting, {name}: tokens", f"= {reference}",
                                   "identical" if same else "DIFFER", same,
-                                  "a bug: greedy speculation must reproduce plain decoding"))  # fmt: skip
+                                  f"a bug: speculation with lookup drafts must reproduce {reference}"))  # fmt: skip
     return table, targets, figures
 
 
