@@ -118,7 +118,8 @@ def _rss(pid: int) -> int:
 
 def tiny_model_dir(path: Path, kind: str = "llama") -> Path:
     """A tiny random transformers model (`kind`: "llama"; "gemma3": sliding-window and full
-    attention; "lfm2": short convolutions and attention) and a byte-level BPE tokenizer that adds
+    attention; "lfm2": short convolutions and attention; "jamba": Mamba1 mixers and attention) and
+    a byte-level BPE tokenizer that adds
     a BOS, with a chat template, saved as a local transformers model directory (what `--model DIR`
     loads)."""
     import pytest
@@ -146,6 +147,12 @@ def tiny_model_dir(path: Path, kind: str = "llama") -> Path:
     if kind == "lfm2":
         config = transformers.Lfm2Config(**common, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"])
         transformers.Lfm2ForCausalLM(config).save_pretrained(path)
+    elif kind == "jamba":  # one expert: its MoE kernel takes no float64; initializer_range: at the default
+        # a random state hardly moves a greedy choice
+        config = transformers.JambaConfig(**common, num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1,
+                                          expert_layer_period=2, num_experts=1, mamba_d_state=8,
+                                          initializer_range=0.2)  # fmt: skip
+        transformers.JambaForCausalLM(config).save_pretrained(path)
     elif kind == "gemma3":
         config = transformers.Gemma3TextConfig(**common, num_hidden_layers=3, head_dim=8, sliding_window=6,
                                                layer_types=["sliding_attention", "full_attention",

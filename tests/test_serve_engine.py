@@ -386,6 +386,25 @@ def test_which_models_can_speculate() -> None:
         Engine(wrap_model(tiny_model("falcon_h1")), PrefixStore(chunk_size=16), eos=[], speculative=2)
 
 
+def test_a_model_that_cannot_mask_ragged_rows_speculates_while_one_row_runs() -> None:
+    """Bloom builds its ALiBi biases from a 2-D padding mask, so a batch whose rows accepted
+    different counts cannot be masked (every request in flight failed with a ValueError): with
+    speculation asked for at every batch size, the engine drafts only while one row runs, and
+    concurrent answers equal each prompt decoded alone."""
+    pytest.importorskip("transformers", minversion="5.24")
+    from test_transformers_rollback import _unmaskable
+
+    from kvcache.integrations.transformers import wrap_model
+
+    model = wrap_model(_unmaskable("bloom").double())
+    prompts = [[(7 * i + j) % 50 + 3 for j in range(5)] * 3 for i in range(4)]  # repeats: lookup drafts
+    engine = Engine(model, PrefixStore(chunk_size=16), eos=[], speculative=4, draft_schedule="constant")
+    assert engine.draft_rows == 1
+    requests, outcomes = serve_greedy(engine, prompts, 12)
+    assert [o.events[-1][0] for o in outcomes] == ["done"] * 4
+    assert [r.tokens for r in requests] == [alone(model, p, 12) for p in prompts]
+
+
 def test_a_first_token_reaches_the_web_side_before_the_turns_decode_step(bundled) -> None:
     """A prefill's first token is handed to the request's event loop as soon as the prefill turn
     ends, not after the join and the decode step that follow it in the same turn (a step of a full

@@ -60,11 +60,16 @@ def chat(c: openai.OpenAI, name: str, messages: list[dict], n: int):
 
 
 # without speculation with KVCACHE_SLOW=1: the speculative variants check the same answers and reused turns
-@pytest.mark.parametrize("speculative", [pytest.param("none", marks=pytest.mark.slow), "prompt lookup", "draft model"])
-def test_lfm2_is_served_its_turns_reused_with_and_without_speculation(tmp_path: Path, speculative: str) -> None:
+@pytest.mark.parametrize(("kind", "speculative"), [pytest.param("lfm2", "none", marks=pytest.mark.slow),
+                                                   ("lfm2", "prompt lookup"), ("lfm2", "draft model"),
+                                                   ("jamba", "prompt lookup")])  # fmt: skip
+def test_hybrids_are_served_their_turns_reused_with_and_without_speculation(tmp_path: Path, kind: str,
+                                                                             speculative: str) -> None:  # fmt: skip
     """Plain, prompt-lookup (`--speculative 4`) and draft-model (`--draft-model`, a Llama with the
-    same tokenizer, each request drafting on a cache of its own) serving answer alike."""
-    where = tiny_model_dir(tmp_path / "tiny-lfm2", "lfm2")
+    same tokenizer, each request drafting on a cache of its own) serving answer alike. Jamba's Mamba1
+    mixers scan a multi-token forward from zero unless the cache asks for every token's state: its
+    prompts continuing stored prefixes and its verify forwards answered otherwise before."""
+    where = tiny_model_dir(tmp_path / "tiny-lfm2", kind)
     alone, tokenizer = reference(where)
     ids_alone = alone.ids
     flags = {"none": [], "prompt lookup": ["--speculative", "4"],
@@ -89,7 +94,7 @@ def test_lfm2_is_served_its_turns_reused_with_and_without_speculation(tmp_path: 
         second_ids = first_ids + answer_ids + tokenizer.encode(" The sum?", add_special_tokens=False)
         second = c.completions.create(model="tiny-lfm2", prompt=second_ids, max_tokens=8, temperature=0)
         assert second.choices[0].text == tokenizer.decode(ids_alone(second_ids, 8), skip_special_tokens=True)
-        assert second.usage.prompt_tokens_details.cached_tokens == (len(first_ids) + 40 - 1) // 16 * 16
+        assert second.usage.prompt_tokens_details.cached_tokens == (len(first_ids) + len(answer_ids) - 1) // 16 * 16
     finally:
         assert process.terminate() == 0
     assert "dropped" not in process.log() and "Traceback" not in process.log()

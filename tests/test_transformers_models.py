@@ -49,6 +49,11 @@ def _config(kind: str) -> Any:
             vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2,
         )  # fmt: skip
+    if kind == "mistral":  # no layer_types: every layer slides (the cache and the masks infer it)
+        return T.MistralConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+        )  # fmt: skip
     if kind == "gemma3":  # layer 0 sliding: the full-attention mask must not be sized from it
         return T.Gemma3TextConfig(
             vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
@@ -67,6 +72,15 @@ def _config(kind: str) -> Any:
         return T.Mamba2Config(
             vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16,
             state_size=16, n_groups=1, expand=2, chunk_size=16,
+        )  # fmt: skip
+    if kind == "mamba":  # Mamba1: its mixer scans a multi-token forward from zero unless asked for every state
+        return T.MambaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, state_size=16, expand=2,
+                             initializer_range=0.5)  # at the default 0.1 its greedy output is one token forever
+    if kind == "jamba":  # Mamba1 mixers and attention
+        return T.JambaConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, num_experts=2,
+            mamba_d_state=16, mamba_expand=2, initializer_range=0.2,  # default: the state hardly moves a greedy choice
         )  # fmt: skip
     if kind == "falcon_h1":  # parallel hybrid: attention and Mamba2 mixer in every layer
         return T.FalconH1Config(
@@ -96,15 +110,18 @@ def _config(kind: str) -> Any:
 _CLASSES = {
     "llama": "LlamaForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "mistral": "MistralForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
     "mamba2": "Mamba2ForCausalLM",
+    "mamba": "MambaForCausalLM",
+    "jamba": "JambaForCausalLM",
     "falcon_h1": "FalconH1ForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
     "bart": "BartForConditionalGeneration",
     "t5": "T5ForConditionalGeneration",
 }
 KINDS = list(_CLASSES)
-STATEFUL = ["gemma3", "qwen3_next", "mamba2", "falcon_h1"]  # layers that drop or overwrite their past
+STATEFUL = ["gemma3", "qwen3_next", "mamba2", "mamba", "jamba", "falcon_h1"]  # layers that drop or overwrite their past
 _MODELS: dict[str, Any] = {}
 
 
@@ -206,8 +223,11 @@ def _kinds_of(cache: Cache) -> list[tuple[str, Any]]:
     [
         ("llama", [("full", None)] * 2),
         ("gemma3", [("sliding", 8), ("full", None), ("sliding", 8)]),
+        ("mistral", [("sliding", 8)] * 2),
         ("qwen3_next", [("recurrent", 1), ("full", None), ("recurrent", 1)]),
         ("mamba2", [("recurrent", 1)] * 2),
+        ("mamba", [("recurrent", 1)] * 2),
+        ("jamba", [("recurrent", 1), ("full", None)]),
         ("falcon_h1", [("hybrid", "DynamicLayer")] * 2),
         ("lfm2", [("recurrent", 1), ("full", None), ("recurrent", 1)]),
     ],

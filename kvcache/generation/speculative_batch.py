@@ -231,6 +231,11 @@ def speculate_batch(
     pad = check_token_list("pad_token_id", pad_token_id, int(target.vocab_size)) or sorted(eos)[:1] or [0]
     if len(pad) != 1:
         raise GenerationError(f"pad_token_id must be one id, got {pad_token_id!r}")
+    for model, who in ((target, "target"), (getattr(drafter, "model", None), "draft model")):
+        refusal = getattr(model, "ragged_refusal", None)
+        if refusal:  # found before any forward: nothing computed, nothing to undo
+            raise GenerationError(f"batched speculative decoding crops rows by different counts, which the {who} "
+                                  f"cannot mask: {refusal}; speculate one row at a time")  # fmt: skip
     draft_rows, draft_switch = False, None
     if isinstance(drafter, ModelDrafter):
         draft_rows, draft_switch = row_states(drafter.model, None)

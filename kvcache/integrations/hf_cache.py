@@ -25,6 +25,9 @@ from ..encoder_decoder import EncoderDecoderCache
 from ..errors import CacheInputError
 from ..layers.hybrid import HybridLayer
 
+#: What `get_recurrent_states_to_keep` answers for a stepwise layer: more than any forward's tokens.
+STEPWISE_STATES = 1 << 30
+
 
 class TransformersCache(HFCache):
     """A kvcache `Cache` behind transformers' `Cache` interface (attention, sliding, conv/recurrent calls).
@@ -40,6 +43,9 @@ class TransformersCache(HFCache):
         self.offloading = False
         self.one_forward_history = False  # set when transformers itself starts recording (see below)
         self.states_to_keep = 0  # the most tokens transformers will crop from one forward (>= 5.25)
+        #: layers whose mixer scans a chunk from a zero state unless asked for every token's state
+        #: (transformers' Mamba1 mixers, `hf_recurrence.stepwise_layers`): set by the model wrapper
+        self.stepwise_layers: frozenset[int] = frozenset()
 
     def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **kwargs: Any) -> None:
         """transformers' generation loops call this when they will undo part of the *next* forward
@@ -59,9 +65,15 @@ class TransformersCache(HFCache):
         asked, so that its loops can crop inside that forward. To land a crop of up to
         `recurrent_states_to_keep` tokens on a known state, a kvcache step needs one more than that
         (the state the crop returns to); 0 while transformers is not recording, so kvcache's own
-        forwards keep the model's fast path. `layer_idx=None`: the crop depth asked for."""
+        forwards keep the model's fast path. `layer_idx=None`: the crop depth asked for.
+
+        A `stepwise_layers` layer that holds a state is asked for every token's state (transformers
+        keeps at most as many as the forward has tokens): its mixer then runs the chunk from that
+        state, token by token, instead of from zero."""
         if layer_idx is None:
             return self.states_to_keep
+        if layer_idx in self.stepwise_layers and self.cache.has_previous_state(layer_idx):
+            return STEPWISE_STATES
         if not self.one_forward_history or not self.states_to_keep:
             return 0
         return self.states_to_keep + 1
@@ -149,7 +161,8 @@ class TransformersCache(HFCache):
             layer = self.cache.layers[layer_idx] if layer_idx < len(self.cache.layers) else None
             open_tokens = getattr(layer, "open_step_tokens", None)
             tokens = open_tokens(state_idx) if open_tokens is not None else None
-            if len(states) > 1 and tokens is not None and tokens >= len(states):
+            recording = self.cache.is_recording_past(layer_idx)  # else the states inside the step are not kept
+            if len(states) > 1 and tokens is not None and tokens >= len(states) and recording:
                 kwargs["intermediate_states"] = torch.stack(states, dim=1)
             recurrent_states = states[-1]
         return self.cache.update_recurrent_state(recurrent_states, layer_idx, state_idx, **kwargs)

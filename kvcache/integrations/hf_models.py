@@ -7,14 +7,15 @@ from typing import Any
 
 import torch
 from transformers import PreTrainedModel
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 from ..cache import Cache
 from ..errors import CacheInputError
 from ..layers.recurrent import RecurrentLayer
 from ..models.modules import check_logits_to_keep, in_pieces
-from .hf_cache import as_transformers_cache
+from .hf_cache import TransformersCache, as_transformers_cache
 from .hf_config import cache_from_config
-from .hf_recurrence import MIXER_CLASSES, PerTokenRecurrence
+from .hf_recurrence import MIXER_CLASSES, STEPWISE_MIXER_CLASSES, PerTokenRecurrence, stepwise_layers
 
 
 def _forward_params(model: PreTrainedModel) -> set[str]:
@@ -65,25 +66,30 @@ class TransformersCausalLM(_GenerationDefaults):
         self._takes_position_ids = "position_ids" in params
         self._takes_logits_to_keep = "logits_to_keep" in params
         self._mask_per_new_token = all(isinstance(layer, RecurrentLayer) for layer in self.new_cache().layers)
+        #: why rows of different lengths (a per-row crop) cannot be masked for this model, or None
+        self.ragged_refusal = None if self._mask_per_new_token else ragged_refusal(model.config)
         self._per_token = PerTokenRecurrence(model)
+        self._stepwise = stepwise_layers(model)  # Mamba1 mixers: every chunk on a held state token by token
 
     def set_per_token_recurrence(self, enabled: bool) -> None:
         """Run the recurrent mixers (Mamba2, gated delta net) one token at a time inside multi-token
         forwards, so every token's state is recorded and a cache can be cropped per row inside a
-        verify forward (batched speculative decoding switches this on, and off again after)."""
-        if not self._per_token:
-            raise CacheInputError(f"{type(self.model).__name__} has no recurrent mixer of {MIXER_CLASSES}")
+        verify forward (batched speculative decoding switches this on, and off again after). Mamba1
+        mixers (`STEPWISE_MIXER_CLASSES`) always do, for chunks on a held state: nothing to switch."""
+        if not self._per_token and not self._stepwise:
+            raise CacheInputError(f"{type(self.model).__name__} has no recurrent mixer of "
+                                  f"{MIXER_CLASSES + STEPWISE_MIXER_CLASSES}")  # fmt: skip
         self._per_token.set(bool(enabled))
 
     @property
     def per_token_recurrence(self) -> bool:
         """Whether the recurrent mixers currently run one token at a time."""
-        return bool(self._per_token) and self._per_token.enabled
+        return (bool(self._per_token) and self._per_token.enabled) or bool(self._stepwise)
 
     @property
     def has_per_token_recurrence(self) -> bool:
         """Whether `set_per_token_recurrence` applies (the model has known recurrent mixers)."""
-        return bool(self._per_token)
+        return bool(self._per_token) or bool(self._stepwise)
 
     #: Quantize the attention layers of `new_cache()` (`wrap_model(..., kv_bits=)`).
     kv_bits: int | None = None
@@ -121,7 +127,10 @@ class TransformersCausalLM(_GenerationDefaults):
         if cache is None:
             kwargs["use_cache"] = False
         else:
-            kwargs.update(cache=as_transformers_cache(cache), use_cache=True)
+            adapter = as_transformers_cache(cache)
+            if self._stepwise and isinstance(adapter, TransformersCache):
+                adapter.stepwise_layers = self._stepwise
+            kwargs.update(cache=adapter, use_cache=True)
         if logits_to_keep and self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = logits_to_keep
         logits = self.model(input_ids=input_ids, **kwargs).logits
@@ -131,6 +140,30 @@ class TransformersCausalLM(_GenerationDefaults):
 #: Layer types whose mask is only a padding mask over the new tokens (gated delta rule, LFM2's short
 #: convolutions): transformers passes them none for tokens that are never padding.
 STATE_LAYER_TYPES = frozenset({"linear_attention", "conv"})
+
+
+def _mask_layer_types(text: Any) -> tuple[list[str], list[dict[str, Any]]]:
+    """The layer types the cache was built from (`cache_from_config`: Mistral-style configs name
+    none and slide every layer; named types are taken as named, a "dummy" layer keeping its own
+    mask's type) and each layer's cache arguments."""
+    inferred, layer_kwargs = get_layer_types_and_kwargs(text)
+    types = getattr(text, "layer_types", None) or inferred
+    return [_MASK_ALIASES.get(kind, kind) for kind in types], layer_kwargs
+
+
+#: inferred layer types that attend as another: parallel hybrids (Falcon-H1) attend in full or sliding
+_MASK_ALIASES = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
+
+
+def ragged_refusal(config: Any) -> str | None:
+    """Why a forward on rows of different lengths cannot be masked for `config`'s model (None: it
+    can, through `ragged_masks`): ALiBi built from a 2-D padding mask (Bloom, Falcon with `alibi`)
+    cannot place rows at different lengths, and only full, sliding and state layers get masks."""
+    text = config.get_text_config(decoder=True)
+    if text.model_type == "bloom" or (text.model_type == "falcon" and getattr(text, "alibi", False)):
+        return f"{type(config).__name__} builds its ALiBi biases from a 2-D padding mask"
+    unknown = sorted(set(_mask_layer_types(text)[0]) - {"full_attention", "sliding_attention", *STATE_LAYER_TYPES})
+    return f"no mask for layer types {unknown} ({type(config).__name__})" if unknown else None
 
 
 def ragged_masks(
@@ -145,11 +178,11 @@ def ragged_masks(
     accept them); transformers uses a prepared 4-D mask as given."""
     from ..models.modules import attention_bias
 
+    refusal = ragged_refusal(config)
+    if refusal:
+        raise CacheInputError(f"rows of different lengths: {refusal}")
     text = config.get_text_config(decoder=True)
-    types = list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
-    unknown = sorted(set(types) - {"full_attention", "sliding_attention", *STATE_LAYER_TYPES})
-    if unknown:
-        raise CacheInputError(f"rows of different lengths: no mask for layer types {unknown} ({type(config).__name__})")
+    types, layer_kwargs = _mask_layer_types(text)
     past = cache.get_seq_lengths().to(device)
     masks: dict[str, torch.Tensor] = {}
     for layer_idx, kind in enumerate(types):
@@ -157,7 +190,9 @@ def ragged_masks(
             masks.setdefault(kind, None)  # type: ignore[arg-type]
         elif kind not in masks:
             kv_length, kv_offset = cache.get_mask_sizes(query_length, layer_idx)
-            window = text.sliding_window if kind == "sliding_attention" else None
+            window = None
+            if kind == "sliding_attention":
+                window = layer_kwargs[layer_idx].get("sliding_window", text.sliding_window)
             masks[kind] = attention_bias(query_length=query_length, past_length=past, kv_length=kv_length,
                                          kv_offset=kv_offset, sliding_window=window, attention_mask=attention_mask,
                                          dtype=dtype, device=device)  # fmt: skip

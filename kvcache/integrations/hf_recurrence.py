@@ -9,6 +9,14 @@ fed onto a held state that runs the mixer's own projections, conv and norms over
 and its recurrence as one vectorized scan emitting the state after every token (`hf_scans`); the
 cache gets them as `intermediate_states`, so every token of the chunk is a place a crop can land.
 Prefills (no held state) and single tokens take the mixer's own forward.
+
+transformers' Mamba (Mamba1) mixers, also in Falcon-Mamba and Jamba, are another case: their
+multi-token path scans from a zero state whatever the cache holds (transformers' own TODO says so),
+so a chunk fed onto a held state (a prefill in blocks, a prompt continuing a stored prefix, a
+verify forward) computes the wrong thing. Those mixers do run a chunk token by token from the held
+state, with the same update a decode step uses, when the cache asks them to keep that many
+per-token states (`get_recurrent_states_to_keep`); `stepwise_layers` finds them, and the adapter
+asks (`TransformersCache.stepwise_layers`). Every token's state is then recorded anyway.
 """
 
 from __future__ import annotations
@@ -24,6 +32,16 @@ from .hf_scans import gated_delta_states, mamba2_states
 
 #: The mixer classes this gives a chunk forward (checked against transformers 5.24 and 5.25).
 MIXER_CLASSES = ("Mamba2Mixer", "Qwen3NextGatedDeltaNet")
+
+
+#: Mixers whose multi-token forward ignores a held state, but runs token by token from it when
+#: asked to keep every token's state (checked against transformers 5.24 and 5.25).
+STEPWISE_MIXER_CLASSES = ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer")
+
+
+def stepwise_layers(model: Any) -> frozenset[int]:
+    """The layer indices of `model`'s mixers of `STEPWISE_MIXER_CLASSES` (empty when it has none)."""
+    return frozenset(int(m.layer_idx) for m in model.modules() if type(m).__name__ in STEPWISE_MIXER_CLASSES)
 
 
 def recurrent_mixers(model: Any) -> list[Any]:

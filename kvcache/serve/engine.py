@@ -105,7 +105,8 @@ class Engine:
         "adaptive" (lookup and suffix drafts fed as far as their matches pay, `DraftGate`) or
         "constant" (every offered draft fed whole, as a draft model's always are). Under the
         adaptive schedule a step drafts only while the batch holds at most `draft_rows` rows (None:
-        any number)."""
+        any number; 1 whatever the schedule for a model that cannot mask rows of different lengths,
+        `ragged_refusal`)."""
         if draft_schedule not in ("adaptive", "constant"):
             raise CacheInputError(f"draft_schedule must be 'adaptive' or 'constant', got {draft_schedule!r}")
         if draft_model is not None and suffix_corpus is not None:
@@ -122,6 +123,8 @@ class Engine:
         self.draft_gate = DraftGate(speculative) if adaptive else None
         self.draft_width = 0 if adaptive else speculative  # draft tokens per row the last step fed
         self.draft_rows = draft_rows
+        if getattr(model, "ragged_refusal", None):  # rows cropped by different counts could not be masked
+            self.draft_rows = 1
         self.shadow_turn = 0  # the row the next step's shadow proposals start from
         self.metrics = metrics or Metrics()
         self.speculative, self.max_batch, self.max_step_tokens = speculative, max_batch, max_step_tokens
@@ -343,7 +346,7 @@ class Engine:
         self._cache, self._rows, self._pads = None, [], []
 
     def _decode_step(self) -> None:
-        rows_cap = self.draft_rows if self.draft_gate is not None else None
+        rows_cap = self.draft_rows if self.draft_gate is not None or self.draft_rows == 1 else None
         if self.speculative and (rows_cap is None or len(self._rows) <= rows_cap):
             speculative_step(self)
             return
