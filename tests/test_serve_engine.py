@@ -371,9 +371,12 @@ def test_under_the_gate_rows_draft_only_while_the_batch_is_small_enough(bundled)
 
 def test_which_models_can_speculate() -> None:
     """`can_speculate`, what `kvcache serve` checks before drafting by default: attention and conv
-    windows roll back token by token; a Mamba state kept only at a forward's end does not."""
+    windows roll back token by token; Mamba states handed over token by token do (Falcon-H1's
+    mixer asked for them, from transformers 5.25); a Mamba state kept only at a forward's end
+    (Zamba2's) does not."""
     pytest.importorskip("transformers", minversion="5.24")
-    from test_transformers_models import tiny_model
+    from test_transformers_models import tiny_model, zamba2_model
+    from test_transformers_rollback import KEEPS_RECURRENT_STATES
 
     from kvcache.integrations.transformers import wrap_model
     from kvcache.serve.speculation import can_speculate
@@ -381,9 +384,10 @@ def test_which_models_can_speculate() -> None:
     cpu = torch.device("cpu")
     assert can_speculate(load_default_model()[0], cpu)
     assert can_speculate(wrap_model(tiny_model("lfm2")), cpu)
-    assert not can_speculate(wrap_model(tiny_model("falcon_h1")), cpu)
+    assert can_speculate(wrap_model(tiny_model("falcon_h1")), cpu) == KEEPS_RECURRENT_STATES
+    assert not can_speculate(wrap_model(zamba2_model()), cpu)
     with pytest.raises(CacheInputError, match="rolled back"):
-        Engine(wrap_model(tiny_model("falcon_h1")), PrefixStore(chunk_size=16), eos=[], speculative=2)
+        Engine(wrap_model(zamba2_model()), PrefixStore(chunk_size=16), eos=[], speculative=2)
 
 
 def test_a_model_that_cannot_mask_ragged_rows_speculates_while_one_row_runs() -> None:

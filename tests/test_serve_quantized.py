@@ -93,9 +93,11 @@ def test_transformers_models_are_served_quantized_as_alone(kind: str) -> None:
     """Llama (full attention), Gemma3 (quantized sliding windows too), LFM2 (short convolutions
     between attention layers) and Falcon-H1 (attention and Mamba under one layer index) wrapped with
     `kv_bits=4`, served with prompt-lookup speculation: each greedy answer equals the prompt decoded
-    alone through the same quantized cache (Falcon-H1 without speculation, which it is refused)."""
+    alone through the same quantized cache (Falcon-H1's Mamba states handed over token by token
+    from transformers 5.25 on; without speculation before)."""
     pytest.importorskip("transformers", minversion="5.24")
     from test_transformers_models import tiny_model
+    from test_transformers_rollback import KEEPS_RECURRENT_STATES
 
     from kvcache.generation import generate
     from kvcache.integrations.transformers import wrap_model
@@ -104,7 +106,7 @@ def test_transformers_models_are_served_quantized_as_alone(kind: str) -> None:
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (9, 40, 23, 70)]
     prompts = [p + p[:20] for p in prompts]  # some repetition: drafts get accepted
-    speculative = 0 if kind == "falcon_h1" else 3  # Falcon-H1's Mamba states are not kept token by token
+    speculative = 0 if kind == "falcon_h1" and not KEEPS_RECURRENT_STATES else 3
     engine = Engine(model, PrefixStore(chunk_size=16), eos=[], speculative=speculative, draft_schedule="constant")
     requests, _ = serve_greedy(engine, prompts, 24)
     for prompt, request in zip(prompts, requests, strict=True):

@@ -137,6 +137,19 @@ def tiny_model(kind: str) -> Any:
     return _MODELS[kind]
 
 
+def zamba2_model() -> Any:
+    """A tiny Zamba2 (Mamba2 layers, and a shared attention block in a hybrid layer): its mixer
+    scans an empty chunk when asked for every token's state, so kvcache takes no per-token states
+    from it (`hf_recurrence.ASKED_MIXER_CLASSES`)."""
+    torch.manual_seed(0)
+    config = T.Zamba2Config(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                            layers_block_type=["mamba", "hybrid"], num_attention_heads=4, mamba_d_state=16,
+                            mamba_headdim=16, n_mamba_heads=8, hybrid_layer_ids=[1], use_mem_rope=True)  # fmt: skip
+    model = T.Zamba2ForCausalLM(config).eval()
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
+    return model
+
+
 def prompt(batch: int = 2, length: int = PROMPT, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 

@@ -15,7 +15,7 @@ from ..layers.recurrent import RecurrentLayer
 from ..models.modules import check_logits_to_keep, in_pieces
 from .hf_cache import TransformersCache, as_transformers_cache
 from .hf_config import cache_from_config
-from .hf_recurrence import MIXER_CLASSES, STEPWISE_MIXER_CLASSES, PerTokenRecurrence, stepwise_layers
+from .hf_recurrence import MIXER_CLASSES, PerTokenRecurrence, asked_layers, stepwise_layers
 
 
 def _forward_params(model: PreTrainedModel) -> set[str]:
@@ -65,31 +65,37 @@ class TransformersCausalLM(_GenerationDefaults):
         params = _forward_params(model)
         self._takes_position_ids = "position_ids" in params
         self._takes_logits_to_keep = "logits_to_keep" in params
-        self._mask_per_new_token = all(isinstance(layer, RecurrentLayer) for layer in self.new_cache().layers)
+        layers = self.new_cache().layers
+        self._mask_per_new_token = all(isinstance(layer, RecurrentLayer) for layer in layers)
         #: why rows of different lengths (a per-row crop) cannot be masked for this model, or None
         self.ragged_refusal = None if self._mask_per_new_token else ragged_refusal(model.config)
         self._per_token = PerTokenRecurrence(model)
         self._stepwise = stepwise_layers(model)  # Mamba1 mixers: every chunk on a held state token by token
+        #: other mixers whose code hands over the states asked for: token by token while switched on
+        self._asked = frozenset() if self._per_token else asked_layers(model)
+        self._asking = False
 
     def set_per_token_recurrence(self, enabled: bool) -> None:
         """Run the recurrent mixers (Mamba2, gated delta net) one token at a time inside multi-token
         forwards, so every token's state is recorded and a cache can be cropped per row inside a
         verify forward (batched speculative decoding switches this on, and off again after). Mamba1
-        mixers (`STEPWISE_MIXER_CLASSES`) always do, for chunks on a held state: nothing to switch."""
-        if not self._per_token and not self._stepwise:
-            raise CacheInputError(f"{type(self.model).__name__} has no recurrent mixer of "
-                                  f"{MIXER_CLASSES + STEPWISE_MIXER_CLASSES}")  # fmt: skip
+        mixers (`STEPWISE_MIXER_CLASSES`) always do, for chunks on a held state; other mixers whose
+        code hands over the states the cache asks for (`ASKED_MIXER_CLASSES`) do while this is on."""
+        if not self.has_per_token_recurrence:
+            raise CacheInputError(f"{type(self.model).__name__} has no recurrent mixer of {MIXER_CLASSES} nor one "
+                                  "that hands over per-token states")  # fmt: skip
         self._per_token.set(bool(enabled))
+        self._asking = bool(enabled) and bool(self._asked)
 
     @property
     def per_token_recurrence(self) -> bool:
         """Whether the recurrent mixers currently run one token at a time."""
-        return (bool(self._per_token) and self._per_token.enabled) or bool(self._stepwise)
+        return (bool(self._per_token) and self._per_token.enabled) or bool(self._stepwise) or self._asking
 
     @property
     def has_per_token_recurrence(self) -> bool:
         """Whether `set_per_token_recurrence` applies (the model has known recurrent mixers)."""
-        return bool(self._per_token) or bool(self._stepwise)
+        return bool(self._per_token) or bool(self._stepwise) or bool(self._asked)
 
     #: Quantize the attention layers of `new_cache()` (`wrap_model(..., kv_bits=)`).
     kv_bits: int | None = None
@@ -128,8 +134,8 @@ class TransformersCausalLM(_GenerationDefaults):
             kwargs["use_cache"] = False
         else:
             adapter = as_transformers_cache(cache)
-            if self._stepwise and isinstance(adapter, TransformersCache):
-                adapter.stepwise_layers = self._stepwise
+            if (self._stepwise or self._asking) and isinstance(adapter, TransformersCache):
+                adapter.stepwise_layers = self._stepwise | self._asked if self._asking else self._stepwise
             kwargs.update(cache=adapter, use_cache=True)
         if logits_to_keep and self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = logits_to_keep

@@ -17,10 +17,18 @@ verify forward) computes the wrong thing. Those mixers do run a chunk token by t
 state, with the same update a decode step uses, when the cache asks them to keep that many
 per-token states (`get_recurrent_states_to_keep`); `stepwise_layers` finds them, and the adapter
 asks (`TransformersCache.stepwise_layers`). Every token's state is then recorded anyway.
+
+Other mixers whose modeling code hands over the states the cache asks for (transformers >= 5.25)
+get per-token recurrence the same way while it is switched on: their own single-token update,
+token by token over the chunk, slower than a vectorized scan. Only the classes checked against a
+forward of the whole prompt are taken (`ASKED_MIXER_CLASSES`): Zamba2's, asked for every token's
+state, scans an empty chunk and loses the held state.
 """
 
 from __future__ import annotations
 
+import inspect
+import sys
 import types
 from typing import Any
 
@@ -42,6 +50,29 @@ STEPWISE_MIXER_CLASSES = ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer")
 def stepwise_layers(model: Any) -> frozenset[int]:
     """The layer indices of `model`'s mixers of `STEPWISE_MIXER_CLASSES` (empty when it has none)."""
     return frozenset(int(m.layer_idx) for m in model.modules() if type(m).__name__ in STEPWISE_MIXER_CLASSES)
+
+
+#: Mixers that hand over every token's state of a chunk on a held state when the cache asks
+#: (`get_recurrent_states_to_keep`), checked against transformers 5.25 (tests/test_transformers_rollback.py).
+ASKED_MIXER_CLASSES = ("FalconH1Mixer", "BambaMixer", "GraniteMoeHybridMambaLayer", "NemotronHMamba2Mixer",
+                       "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")  # fmt: skip
+
+
+def asked_layers(model: Any) -> frozenset[int]:
+    """The layer indices of `model`'s mixers of `ASKED_MIXER_CLASSES`, where its code asks the cache
+    for states (transformers >= 5.25; empty otherwise)."""
+    found = frozenset(int(m.layer_idx) for m in model.modules() if type(m).__name__ in ASKED_MIXER_CLASSES)
+    return found if found and asks_for_states(model) else frozenset()
+
+
+def asks_for_states(model: Any) -> bool:
+    """Whether `model`'s modeling code asks the cache how many per-token recurrent states a
+    multi-token forward should hand over (`get_recurrent_states_to_keep`, transformers >= 5.25)."""
+    module = sys.modules.get(type(model).__module__)
+    try:
+        return module is not None and "get_recurrent_states_to_keep(" in inspect.getsource(module)
+    except (OSError, TypeError):  # no source to read (a frozen install): not relied on
+        return False
 
 
 def recurrent_mixers(model: Any) -> list[Any]:
