@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers", minversion="5.24")
 
 PROMPT = "The value of the cache is the sum"
 NEW = 24
-KINDS = ["llama", "gemma3", "lfm2"]
+KINDS = ["llama", "gemma3", "lfm2", "jamba"]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -97,19 +97,38 @@ def test_a_saved_prompt_cache_of_a_model_directory_resumes_exactly(dirs, capsys,
     assert code == 2 and out == "" and "not a prompt cache of this model" in err
 
 
+def _seq2seq_dir(where: Path) -> Path:
+    """A T5 directory (its config is enough): transformers' causal-LM loader would take its decoder."""
+    transformers.T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2).save_pretrained(where)
+    return where
+
+
+def _headless_dir(where: Path, llama: Path) -> Path:
+    """A Llama base model without its LM head, and the tokenizer: loaded as a causal LM, transformers
+    fills the head with random numbers and only warns."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama)
+    model.model.save_pretrained(where)
+    transformers.AutoTokenizer.from_pretrained(llama).save_pretrained(where)
+    return where
+
+
 def test_flags_a_user_gets_wrong_are_one_line_errors(dirs, capsys, tmp_path: Path) -> None:
+    seq2seq, headless = _seq2seq_dir(tmp_path / "t5"), _headless_dir(tmp_path / "headless", dirs["llama"])
+    capsys.readouterr()  # (transformers' progress bars while they were saved)
     cases = [
         (["--prompt-lookup", "0"], "--prompt-lookup"),
         (["--draft-model", str(dirs["llama"])], "--draft-model"),  # no --model: the bundled model has no draft
         (["--model", str(dirs["llama"]), "--draft-model", str(dirs["llama"]), "--prompt-lookup", "2"], "alternatives"),
         (["--model", str(tmp_path / "missing")], "not a directory"),
         (["--model", str(tmp_path)], "not a transformers causal LM directory"),
+        (["--model", str(seq2seq)], "T5Config is an encoder-decoder model"),
+        (["--model", str(headless)], "parameters unset (lm_head.weight)"),
         (["--device", "tpu"], "--device"),
     ]
     if not torch.cuda.is_available():
         cases.append((["--device", "cuda"], "CUDA is not available"))
     for args, words in cases:
         code, out, err = cli(capsys, "hello", "--max-new-tokens", "2", *args)
-        lines = err.strip().splitlines()
+        lines = [line for line in err.strip().splitlines() if not line.startswith("Loading weights")]  # transformers'
         assert code == 2 and out == "" and len(lines) == 1, (args, err)
         assert lines[0].startswith("kvcache generate: error:") and words in lines[0], (args, err)

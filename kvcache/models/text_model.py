@@ -120,13 +120,20 @@ def bundled(dtype: torch.dtype = torch.float32, device: torch.device | str | Non
     return TextModel(model, "kvcache-default", [], tokenizer, "bundled", model_id())
 
 
+def _not_a_model(path: str | Path, exc: Exception) -> CacheInputError:
+    """The error for a directory transformers cannot load as a causal LM: its message's first line
+    (an unknown configuration class is followed by the list of every known one)."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return CacheInputError(f"--model {path}: not a transformers causal LM directory ({first[:300]})")
+
+
 def from_directory(path: str | Path, dtype: torch.dtype | None = None,
                    device: torch.device | str | None = None) -> TextModel:  # fmt: skip
     """A transformers causal LM and its tokenizer saved in `path` (local files only), on `device`
     (default: the CPU) in `dtype` (default: the dtype the directory names, as transformers'
     `dtype="auto"`)."""
     try:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     except ImportError as exc:
         raise CacheInputError('--model needs transformers: pip install "kvcache[transformers]"') from exc
     from ..integrations.transformers import wrap_model
@@ -135,10 +142,25 @@ def from_directory(path: str | Path, dtype: torch.dtype | None = None,
     if not where.is_dir():
         raise CacheInputError(f"--model {path}: not a directory (a local transformers model is expected)")
     try:
-        hf = AutoModelForCausalLM.from_pretrained(where, local_files_only=True, dtype=dtype or "auto").eval()
+        config = AutoConfig.from_pretrained(where, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:  # no config, an unknown model type
+        raise _not_a_model(path, exc) from exc
+    if getattr(config, "is_encoder_decoder", False):  # transformers would load its decoder alone
+        raise CacheInputError(f"--model {path}: {type(config).__name__} is an encoder-decoder model; the CLI and "
+                              "the server run causal LMs (from Python, wrap it with "
+                              "kvcache.integrations.transformers.wrap_model)")  # fmt: skip
+    try:
+        hf, loading = AutoModelForCausalLM.from_pretrained(where, local_files_only=True, dtype=dtype or "auto",
+                                                           output_loading_info=True)  # fmt: skip
         tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:  # no config, no weights, an unknown model type
-        raise CacheInputError(f"--model {path}: not a transformers causal LM directory ({exc})"[:400]) from exc
+    except (OSError, ValueError, KeyError) as exc:  # no weights, a type with no causal LM
+        raise _not_a_model(path, exc) from exc
+    missing = sorted(loading.get("missing_keys") or ())
+    if missing:  # transformers fills them with random numbers and only warns
+        raise CacheInputError(f"--model {path}: the directory's weights leave {len(missing)} of "
+                              f"{type(hf).__name__}'s parameters unset ({', '.join(missing[:3])}): a checkpoint of "
+                              "another kind of model?")  # fmt: skip
+    hf = hf.eval()
     if device is not None:
         hf = hf.to(device)
     wrapped = wrap_model(hf)
