@@ -20,6 +20,7 @@ from test_transformers_models import (
     STATEFUL,
     Stepper,
     T,
+    _dummy_layer_model,
     hf_cache,
     hf_generate,
     our_generate,
@@ -458,7 +459,8 @@ class _RowSteered:
         return torch.where(move, logits.roll(1, dims=-1), logits)
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma3", "mistral", "qwen3_next", "mamba2", "mamba", "jamba", "falcon_h1"])
+@pytest.mark.parametrize("kind", ["llama", "gemma3", "mistral", "qwen3_next", "mamba2", "mamba", "jamba", "falcon_h1",
+                                  "nemotron_h"])  # fmt: skip
 @pytest.mark.parametrize("batch", [2, 4, 8])
 def test_batched_speculative_decoding_equals_transformers_batched_generate(kind: str, batch: int) -> None:
     """Left-padded rows of different lengths, k = 1, 3, 5, drafts that agree always, never and
@@ -471,9 +473,9 @@ def test_batched_speculative_decoding_equals_transformers_batched_generate(kind:
     from kvcache.generation import ModelDrafter, speculative_generate
     from kvcache.integrations.transformers import wrap_model
 
-    if kind == "falcon_h1" and not KEEPS_RECURRENT_STATES:
-        pytest.skip("Falcon-H1's mixer hands over per-token states from transformers 5.25 on")
-    model = tiny_model(kind)
+    if kind in ("falcon_h1", "nemotron_h") and not KEEPS_RECURRENT_STATES:
+        pytest.skip("these mixers hand over per-token states from transformers 5.25 on")
+    model = _dummy_layer_model(kind) if kind == "nemotron_h" else tiny_model(kind)  # (Nemotron-H: an MLP layer)
     source = prompt(batch=batch, length=10, seed=3)
     mask = torch.ones_like(source)
     for b in range(batch):

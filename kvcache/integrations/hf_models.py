@@ -146,6 +146,8 @@ class TransformersCausalLM(_GenerationDefaults):
 #: Layer types whose mask is only a padding mask over the new tokens (gated delta rule, LFM2's short
 #: convolutions): transformers passes them none for tokens that are never padding.
 STATE_LAYER_TYPES = frozenset({"linear_attention", "conv"})
+#: Layer types that attend to nothing (Nemotron-H's MLP and MoE blocks): no mask at all.
+MASKLESS_LAYER_TYPES = frozenset({"mlp", "moe"})
 
 
 def _mask_layer_types(text: Any) -> tuple[list[str], list[dict[str, Any]]]:
@@ -168,7 +170,8 @@ def ragged_refusal(config: Any) -> str | None:
     text = config.get_text_config(decoder=True)
     if text.model_type == "bloom" or (text.model_type == "falcon" and getattr(text, "alibi", False)):
         return f"{type(config).__name__} builds its ALiBi biases from a 2-D padding mask"
-    unknown = sorted(set(_mask_layer_types(text)[0]) - {"full_attention", "sliding_attention", *STATE_LAYER_TYPES})
+    known = {"full_attention", "sliding_attention", *STATE_LAYER_TYPES, *MASKLESS_LAYER_TYPES}
+    unknown = sorted(set(_mask_layer_types(text)[0]) - known)
     return f"no mask for layer types {unknown} ({type(config).__name__})" if unknown else None
 
 
@@ -192,7 +195,7 @@ def ragged_masks(
     past = cache.get_seq_lengths().to(device)
     masks: dict[str, torch.Tensor] = {}
     for layer_idx, kind in enumerate(types):
-        if kind in STATE_LAYER_TYPES:  # padding only ever precedes the prompt: no mask for new tokens
+        if kind in STATE_LAYER_TYPES or kind in MASKLESS_LAYER_TYPES:  # padding only ever precedes the prompt
             masks.setdefault(kind, None)  # type: ignore[arg-type]
         elif kind not in masks:
             kv_length, kv_offset = cache.get_mask_sizes(query_length, layer_idx)
