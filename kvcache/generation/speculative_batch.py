@@ -29,7 +29,7 @@ from ..protocol import last_logits
 from .draft_schedule import DraftLength
 from .drafters import Draft, Drafter, ModelDrafter, check_draft
 from .inputs import check_mask, check_token_list
-from .switches import row_states
+from .switches import holds_recurrent_states, row_states
 
 
 @dataclass
@@ -208,9 +208,9 @@ class _BatchModelDrafter:
 
 
 def needs_row_states(runner: BatchRunner, who: str, row_states: bool) -> None:
-    """Refuse a model whose recurrent layers could not be cropped per row inside a forward."""
-    cache = getattr(runner.cache, "self_attention_cache", runner.cache)
-    if any(layer.has_recurrent for layer in cache) and not row_states:
+    """Refuse a model whose recurrent states could not be cropped per row inside a forward (after
+    the prefill: conv windows alone, as LFM2's, roll back to any token)."""
+    if not row_states and holds_recurrent_states(runner.cache):
         raise GenerationError(
             f"batched speculative decoding needs per-token recurrent states from the {who} "
             f"({type(runner.model).__name__}: no set_return_intermediate_states or set_per_token_recurrence, or "

@@ -13,6 +13,19 @@ from typing import Any
 from ..errors import GenerationError
 
 
+def holds_recurrent_states(cache: Any) -> bool:
+    """Whether a layer of `cache` (after a forward) holds a recurrent state (Mamba, gated delta rule),
+    which a crop inside a forward needs per-token states for: conv windows alone (LFM2's short
+    convolutions) keep their columns and roll back to any token anyway."""
+    for layer in getattr(cache, "self_attention_cache", cache):
+        part = getattr(layer, "recurrent", layer)
+        if hasattr(part, "get_recurrent_state") and any(
+            part.get_recurrent_state(s) is not None for s in range(part.num_states)
+        ):  # fmt: skip
+            return True
+    return False
+
+
 def intermediate_states_switch(target: Any, wanted: bool | None) -> Callable[[bool], Callable[[], None]]:
     """A function that sets the target's intermediate-states switch (or its per-token recurrence)
     and returns its undo."""

@@ -25,6 +25,7 @@ import torch
 
 from ..generation.drafters import Draft, Drafter
 from ..generation.speculative import Verifier
+from ..generation.switches import holds_recurrent_states
 
 NO_DRAFT = Draft([])
 
@@ -112,13 +113,7 @@ def _holds_recurrent_states(model: Any, device: torch.device) -> bool:
     with torch.no_grad():
         model(torch.zeros(1, 1, dtype=torch.long, device=device), cache=cache,
               position_ids=torch.zeros(1, 1, dtype=torch.long, device=device))  # fmt: skip
-    for layer in cache:
-        part = getattr(layer, "recurrent", layer)
-        if hasattr(part, "get_recurrent_state") and any(
-            part.get_recurrent_state(s) is not None for s in range(part.num_states)
-        ):  # fmt: skip
-            return True
-    return False
+    return holds_recurrent_states(cache)
 
 
 def can_speculate(model: Any, device: torch.device) -> bool:
