@@ -340,7 +340,7 @@ def test_a_three_turn_chat_prefills_only_the_last_chunk_and_the_new_message(whic
 transformers = pytest.importorskip("transformers", minversion="5.24")
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma3", "qwen3_next", "mamba2", "falcon_h1"])
+@pytest.mark.parametrize("kind", ["llama", "gemma3", "mistral", "qwen3_next", "mamba2", "mamba", "jamba", "falcon_h1"])
 def test_transformers_families_hit_the_store_exactly(kind: str) -> None:
     from test_transformers_models import tiny_model
 
