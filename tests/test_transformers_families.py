@@ -3,7 +3,8 @@ random models of each (weights drawn wider than the default init, whose
 greedy output is often one token forever), fp32 on CPU, against transformers' own `generate`:
 
 - greedy decoding through `wrap_model` gives its tokens, and so does single-sequence speculative
-  decoding with prompt lookup (every draft verified and the rejected ones rolled back);
+  decoding with prompt lookup (every draft verified and the rejected ones rolled back); sampled,
+  speculation with prompt lookup gives plain sampling's tokens for the same seed;
 - a left-padded batch gives its batched tokens, and batched speculative decoding gives the same,
   or is refused up front with the reason where rows that accept different counts cannot be
   cropped or masked (the families in `REFUSED`).
@@ -133,6 +134,11 @@ def test_a_family_decodes_and_speculates_as_transformers_generates(family: str) 
     out = speculative_generate(wrapped, PromptLookupDrafter(), repeated, max_new_tokens=24, num_draft_tokens=3,
                                draft_schedule="constant")  # fmt: skip
     assert torch.equal(out.sequences, expected)
+    sampling = {"do_sample": True, "temperature": 0.7, "max_new_tokens": 24}
+    sampled = generate(wrapped, repeated, generator=torch.Generator().manual_seed(11), **sampling).sequences
+    out = speculative_generate(wrapped, PromptLookupDrafter(), repeated, num_draft_tokens=3, draft_schedule="constant",
+                               generator=torch.Generator().manual_seed(11), **sampling)  # fmt: skip
+    assert torch.equal(out.sequences, sampled)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -46,7 +46,7 @@ class Drafter(ABC):
     reports_match: bool = False
     #: Whether proposals draw from the run's generator (a draft model that samples, through `pick`).
     #: Drafts that do not (point masses: lookups) leave a sampled run's draws those of plain
-    #: sampling, so its tokens are plain sampling's, seed for seed, whatever was drafted.
+    #: sampling, so one sequence's tokens are plain sampling's, seed for seed, whatever was drafted.
     samples: bool = False
 
     def start(  # noqa: B027  (an optional hook)

@@ -8,7 +8,9 @@ output distribution equal to the target's. Drafts that are point masses (prompt 
 drafting) are verified by drawing the target's own token at each position in turn and keeping the
 draft while they agree: for a point mass that is the same rule (a draft token is kept with
 probability p(x); a rejection's token follows p without x), and it draws exactly what plain
-sampling draws, so a seeded sampled run returns plain sampling's tokens, seed for seed.
+sampling draws, so a seeded sampled run of one sequence returns plain sampling's tokens, seed for
+seed (a batch shares its generator, drawn in another order than plain batched steps draw it: the
+same distribution, other draws).
 
 Recurrent layers can be cropped inside the verify forward only when the model handed the cache the
 per-token intermediate states (the reference models' `set_return_intermediate_states`, wrapped
