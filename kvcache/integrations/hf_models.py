@@ -15,7 +15,7 @@ from ..layers.recurrent import RecurrentLayer
 from ..models.modules import check_logits_to_keep, in_pieces
 from .hf_cache import TransformersCache, as_transformers_cache
 from .hf_config import cache_from_config
-from .hf_recurrence import MIXER_CLASSES, PerTokenRecurrence, asked_layers, stepwise_layers
+from .hf_recurrence import MIXER_CLASSES, PerTokenRecurrence, asked_layers, asks_for_states, stepwise_layers
 
 
 def _forward_params(model: PreTrainedModel) -> set[str]:
@@ -71,6 +71,8 @@ class TransformersCausalLM(_GenerationDefaults):
         self.ragged_refusal = None if self._mask_per_new_token else ragged_refusal(model.config)
         self._per_token = PerTokenRecurrence(model)
         self._stepwise = stepwise_layers(model)  # Mamba1 mixers: every chunk on a held state token by token
+        #: ... by kvcache's own single-token forwards where transformers cannot be asked (< 5.25)
+        self._one_by_one = bool(self._stepwise) and not asks_for_states(model)
         #: other mixers whose code hands over the states asked for: token by token while switched on
         self._asked = frozenset() if self._per_token else asked_layers(model)
         self._asking = False
@@ -118,6 +120,10 @@ class TransformersCausalLM(_GenerationDefaults):
     ) -> torch.Tensor:
         check_logits_to_keep(logits_to_keep)
         pieces = cache.forward_segments(input_ids.shape[1]) if isinstance(cache, Cache) else []
+        if self._one_by_one and isinstance(cache, Cache) and input_ids.shape[1] > 1 and any(
+            cache.has_previous_state(i) for i in self._stepwise
+        ):  # fmt: skip
+            pieces = [1] * input_ids.shape[1]  # (a Mamba1 chunk would be scanned from zero)
         past = cache.get_seq_length() if len(pieces) > 1 else 0  # type: ignore[union-attr]
         if len(pieces) > 1 and (attention_mask is None or attention_mask.shape[1] == past + input_ids.shape[1]):
             return in_pieces(self.__call__, pieces, input_ids, cache, attention_mask, position_ids, past,
