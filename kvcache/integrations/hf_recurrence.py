@@ -43,7 +43,8 @@ MIXER_CLASSES = ("Mamba2Mixer", "Qwen3NextGatedDeltaNet")
 
 
 #: Mixers whose multi-token forward ignores a held state, but runs token by token from it when
-#: asked to keep every token's state (checked against transformers 5.24 and 5.25).
+#: asked to keep every token's state (transformers 5.25; where their code does not ask, `wrap_model`
+#: feeds such a chunk one token per forward).
 STEPWISE_MIXER_CLASSES = ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer")
 
 
@@ -53,7 +54,7 @@ def stepwise_layers(model: Any) -> frozenset[int]:
 
 
 #: Mixers that hand over every token's state of a chunk on a held state when the cache asks
-#: (`get_recurrent_states_to_keep`), checked against transformers 5.25 (tests/test_transformers_rollback.py).
+#: (`get_recurrent_states_to_keep`), checked against transformers 5.25 (tests/test_transformers_families.py).
 ASKED_MIXER_CLASSES = ("FalconH1Mixer", "BambaMixer", "GraniteMoeHybridMambaLayer", "NemotronHMamba2Mixer",
                        "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")  # fmt: skip
 
