@@ -180,7 +180,7 @@ def test_small_things_a_user_hits(stand_in_model, capsys, tmp_path: Path, monkey
     calls = []
     real_forward = Model.forward
     monkeypatch.setattr(Model, "forward", lambda self, *a, **k: calls.append(1) or real_forward(self, *a, **k))
-    for args in (("--top-p", "1.5"), ("--top-k", "-2"), ("--temperature", "nan")):
+    for args in (("--top-p", "1.5"), ("--top-k", "-2"), ("--temperature", "nan"), ("--min-p", "2")):
         code, out, err = _cli(capsys, PROMPT, *args)  # errors name the flag the user typed, not the parameter
         assert (code, out) == (2, "") and err.count("\n") == 1
         assert err.startswith(f"kvcache generate: error: {args[0]} must")

@@ -274,6 +274,22 @@ def test_sampling_with_the_same_seed_repeats_and_another_seed_differs() -> None:
     assert not torch.equal(sample(7), sample(8))
 
 
+def test_min_p_one_samples_the_greedy_tokens_and_a_small_min_p_still_samples() -> None:
+    """min_p = 1 keeps only the most likely token: sampling then returns greedy decoding's tokens
+    at any temperature; a small min_p keeps the draws (another seed, other tokens)."""
+    model = MODELS["decoder"]
+    ids, mask = _prompt(2)
+    greedy = generate(model, ids, attention_mask=mask, max_new_tokens=16).sequences
+
+    def sample(seed: int, min_p: float) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(seed)
+        return generate(model, ids, attention_mask=mask, max_new_tokens=16, do_sample=True, temperature=1.7,
+                        min_p=min_p, generator=gen).sequences  # fmt: skip
+
+    assert torch.equal(sample(7, 1.0), greedy) and torch.equal(sample(8, 1.0), greedy)
+    assert not torch.equal(sample(7, 0.01), sample(8, 0.01))
+
+
 def test_a_recording_cache_keeps_its_history_in_both_paths() -> None:
     """A cache that was recording on entry is not committed: the caller can still crop back into
     (and past) the generated tokens, identically for both stop checks."""

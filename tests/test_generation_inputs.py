@@ -69,6 +69,9 @@ def _same(a: list, b: list) -> bool:
         ((IDS,), {"do_sample": True, "top_p": 0.0}, "top_p"),
         ((IDS,), {"top_p": 1.5}, "top_p"),
         ((IDS,), {"top_k": -1}, "top_k"),
+        ((IDS,), {"min_p": 1.5}, "min_p"),
+        ((IDS,), {"do_sample": True, "min_p": -0.1}, "min_p"),
+        ((IDS,), {"min_p": "0.1"}, "min_p"),
         ((IDS,), {"eos_token_id": VOCAB}, "eos_token_id"),
         ((IDS,), {"eos_token_id": [1, "x"]}, "eos_token_id"),
         ((IDS,), {"generator": 3}, "generator"),
@@ -204,14 +207,20 @@ def test_auto_never_defers_on_cpu() -> None:
 def test_sampling_scores_match_transformers_warpers() -> None:
     warpers = pytest.importorskip("transformers.generation.logits_process")
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
-    for temperature, top_k, top_p in [(0.7, 5, 0.8), (1.0, 0, 0.5), (1.3, 10, 1.0), (0.5, 0, 1.0)]:
-        ours = Sampling(True, temperature, top_k, top_p).scores(logits)
+    cases = [(0.7, 5, 0.8, 0.0), (1.0, 0, 0.5, 0.0), (1.3, 10, 1.0, 0.0), (0.5, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.1),
+             (0.7, 20, 0.9, 0.05), (1.5, 0, 1.0, 1.0)]
+    for temperature, top_k, top_p, min_p in cases:
+        ours = Sampling(True, temperature, top_k, top_p, min_p).scores(logits)
         theirs = warpers.TemperatureLogitsWarper(temperature)(None, logits.clone())
         if top_k:
             theirs = warpers.TopKLogitsWarper(top_k)(None, theirs)
         if top_p < 1:
             theirs = warpers.TopPLogitsWarper(top_p)(None, theirs)
-        assert torch.equal(ours, theirs)
+        if min_p > 0:
+            theirs = warpers.MinPLogitsWarper(min_p)(None, theirs)
+        assert torch.equal(ours, theirs), (temperature, top_k, top_p, min_p)
+        kept = ours.isfinite().sum(-1)
+        assert (kept >= 1).all() and (min_p < 1 or (kept == 1).all())  # min_p = 1: the best token alone
     greedy = Sampling().scores(logits)
     assert torch.equal(greedy, logits) and greedy.data_ptr() != logits.data_ptr()
 

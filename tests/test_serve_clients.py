@@ -93,6 +93,21 @@ def test_top_k_is_taken(server, alone) -> None:
     assert bad.status_code == 400 and "top_k" in bad.json()["error"]["message"]
 
 
+def test_min_p_is_taken(server, alone) -> None:
+    """`min_p: 1` keeps only the most likely token (the greedy answer at any temperature), through
+    the official client's `extra_body` as vLLM users send it; a small min_p still samples."""
+    c = client(server)
+    prompt = "The value of the "
+    want = alone(prompt, 20)
+
+    def ask(min_p: float, seed: int) -> str:
+        return c.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=1.5, seed=seed,
+                                    extra_body={"min_p": min_p}).choices[0].text  # fmt: skip
+
+    assert ask(1.0, 3) == want == ask(1.0, 4)
+    assert ask(0.01, 3) != ask(0.01, 4)
+
+
 def test_a_vanishing_temperature_decodes_greedily_and_hurts_no_one(server, alone) -> None:
     """temperature=1e-40 made NaN probabilities: that request never answered and every request in
     flight with it got a 500. Now it is greedy decoding, and the others get their own answers."""

@@ -271,3 +271,23 @@ def test_counts_fed_whole_or_piece_by_piece_equal_a_recount_of_every_context(dep
             naive.setdefault(tuple(seq[end - n : end]), Counter())[seq[end]] += 1
     assert len(whole.counts) == len(naive)
     assert all(whole.get(context) == dict(counted) for context, counted in naive.items())
+
+
+@pytest.mark.parametrize("kind", ["full", "hybrid"])
+def test_sampled_drafts_with_min_p_return_plain_samplings_tokens(targets, kind) -> None:
+    """Suffix drafts are point masses verified by the row's own draws from the filtered
+    distribution (temperature, top-p, min-p): the same tokens as plain sampling, seed for seed,
+    while drafts are accepted (the corpus holds an earlier answer to follow)."""
+    target = targets[kind]
+    prompt = torch.tensor([[5, 1, 9, 2, 7, 5, 1, 9]])
+    sampled = {"do_sample": True, "temperature": 1.2, "top_p": 0.95, "min_p": 0.05}
+    corpus = SuffixCorpus()
+    accepted = []
+    for seed in (3, 3, 4):
+        plain = generate(target, prompt, max_new_tokens=NEW, generator=torch.Generator().manual_seed(seed), **sampled)
+        out = speculative_generate(target, SuffixDrafter(corpus), prompt, num_draft_tokens=6, max_new_tokens=NEW,
+                                   generator=torch.Generator().manual_seed(seed), **sampled)  # fmt: skip
+        assert torch.equal(out.sequences, plain.sequences), seed
+        corpus.add(out.sequences[0].tolist())
+        accepted.append(sum(out.accepted_per_step))
+    assert accepted[1] > NEW // 2  # the repeated seed followed its earlier answer

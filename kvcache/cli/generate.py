@@ -48,6 +48,8 @@ def add_parser(subparsers: Any) -> None:
                         help=f"sampling temperature (default {DEFAULT_TEMPERATURE}; 0 means greedy)")
     parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (default 0 = all)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
+    parser.add_argument("--min-p", type=float, default=0.0,
+                        help="sample from tokens at least this fraction as likely as the best one (default 0 = off)")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"random seed (default {DEFAULT_SEED})")
     parser.add_argument("--defer-stop", choices=sorted(DEFER_CHOICES), default="auto",
                         help="read the stop decision one step late (auto: on asynchronous devices only)")
@@ -100,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         raise GenerationError("--prefix-store and --cache are alternatives: give one")
     check_model_arguments(args)
     sampling = args.temperature > 0
-    Sampling(sampling, args.temperature, args.top_k, args.top_p)  # checked before any work
+    Sampling(sampling, args.temperature, args.top_k, args.top_p, args.min_p)  # checked before any work
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not text:
         raise GenerationError("the prompt is empty")
@@ -122,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
     eos = served.tokenizer.eos_token_id if served.kind == "bundled" else None  # None: the generation config's
     options = {"max_new_tokens": args.max_new_tokens, "eos_token_id": eos, "do_sample": sampling,
                "temperature": args.temperature if sampling else 1.0, "top_k": args.top_k, "top_p": args.top_p,
+               "min_p": args.min_p,
                "generator": generator}  # fmt: skip
     started = time.perf_counter()
     if drafter is None:

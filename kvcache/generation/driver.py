@@ -52,6 +52,7 @@ def generate(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
+    min_p: float = 0.0,
     generator: torch.Generator | None = None,
     streamer: Streamer | None = None,
     output_scores: bool = False,
@@ -69,7 +70,8 @@ def generate(
       id) until every row has stopped or `max_new_tokens` is reached. Left as None, both come from
       the model when it has them (a wrapped transformers model: its `generation_config`, as in
       transformers' `generate`); `eos_token_id=[]` means no end token at all.
-    - `do_sample` draws with `temperature`, `top_k` (0 = off), `top_p` (1 = off) from `generator`.
+    - `do_sample` draws with `temperature`, `top_k` (0 = off), `top_p` (1 = off) and `min_p` (0 = off)
+      from `generator`.
     - `streamer.put(tokens[batch])` receives each kept step's tokens, then `streamer.end()`.
     - `defer_stop`: read the stop decision one step late so the host never waits for the device
       (`DeferredStopCheck`); None defers on asynchronous devices (CUDA, MPS, XPU) where the cache
@@ -81,7 +83,7 @@ def generate(
       the answer. The output equals a run without the store that prefilled the same chunks.
     """
     # ------------------------------------------------------------------ checks, before any work
-    sampling = Sampling(do_sample, temperature, top_k, top_p)
+    sampling = Sampling(do_sample, temperature, top_k, top_p, min_p)
     max_new_tokens = inputs.check_int("max_new_tokens", max_new_tokens, minimum=0)
     encoder_decoder = inputs.check_model(model)
     vocab = model.vocab_size

@@ -1,4 +1,4 @@
-"""Turning next-token logits into scores and picking tokens: temperature, top-k, top-p, argmax."""
+"""Turning next-token logits into scores and picking tokens: temperature, top-k, top-p, min-p, argmax."""
 
 from __future__ import annotations
 
@@ -13,13 +13,15 @@ from ..errors import GenerationError
 @dataclass(frozen=True)
 class Sampling:
     """How the next token is chosen. `do_sample=False` is greedy (argmax of the raw logits);
-    otherwise the logits are divided by `temperature`, cut to the `top_k` best (0 = no cut) and to
-    the smallest set of probability mass `top_p`, in that order (transformers' order), and sampled."""
+    otherwise the logits are divided by `temperature`, cut to the `top_k` best (0 = no cut), to the
+    smallest set of probability mass `top_p` and to the tokens at least `min_p` times as likely as
+    the most likely one (0 = no cut), in that order (transformers' order), and sampled."""
 
     do_sample: bool = False
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.do_sample, bool):
@@ -36,6 +38,8 @@ class Sampling:
             raise GenerationError(f"top_k must be an int >= 0 (0 = no top-k cut), got {self.top_k!r}", param="top_k")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise GenerationError(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            raise GenerationError(f"min_p must be in [0, 1] (0 = no min-p cut), got {self.min_p!r}", param="min_p")
 
     def scores(self, logits: torch.Tensor) -> torch.Tensor:
         """Float32 scores `[batch, vocab]` of the next token (what `output_scores` returns)."""
@@ -56,6 +60,9 @@ class Sampling:
             drop_sorted = cumulative <= 1 - self.top_p
             drop_sorted[:, -1] = False  # the best token always stays
             scores = scores.masked_fill(drop_sorted.scatter(1, order, drop_sorted), -float("inf"))
+        if self.min_p > 0:  # relative to the best token: the same whichever cuts came before
+            probs = scores.softmax(dim=-1)
+            scores = scores.masked_fill(probs < self.min_p * probs.amax(dim=-1, keepdim=True), -float("inf"))
         return scores
 
     def select(self, scores: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

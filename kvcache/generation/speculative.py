@@ -195,6 +195,7 @@ def speculative_generate(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
+    min_p: float = 0.0,
     generator: torch.Generator | None = None,
     intermediate_states: bool | None = None,
     cache: Cache | None = None,
@@ -270,7 +271,7 @@ def speculative_generate(
     eos = frozenset(check_token_list("eos_token_id", eos_token_id, int(target.vocab_size)))
     device = input_ids.device
     check_generator(generator, device)
-    verifier = Verifier(Sampling(do_sample, temperature, top_k, top_p), generator)
+    verifier = Verifier(Sampling(do_sample, temperature, top_k, top_p, min_p), generator)
     use_intermediate = intermediate_states_switch(target, intermediate_states)
     if batched:
         return speculate_batch(target, drafter, verifier, input_ids, attention_mask, encoder_decoder,

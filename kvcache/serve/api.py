@@ -146,7 +146,8 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
                            "this server takes", param="prompt", code="context_length_exceeded")  # fmt: skip
         if engine.active["waiting"] >= limits.max_waiting:
             raise ApiError(429, "the server is busy: too many requests are waiting, retry later")
-        sampling = Sampling(params.temperature > 0, params.temperature or 1.0, params.top_k, params.top_p)
+        sampling = Sampling(params.temperature > 0, params.temperature or 1.0, params.top_k, params.top_p,
+                            params.min_p)
         request = Request(prompt=prompt, max_tokens=params.max_tokens, sampling=sampling, seed=params.seed)
         completion = Completion(served, engine, request, params.stop)
         metrics.prompt_tokens.inc(len(prompt))

@@ -37,7 +37,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
 IGNORED = {"user", "metadata", "store", "service_tier"}
 #: Temperatures above 0 and below this decode greedily (dividing logits by less overflows them).
 GREEDY_BELOW = 1e-5
-COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options"}
+COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options"}
 COMPLETION_FIELDS = COMMON | {"prompt"} | set(NEUTRAL) | IGNORED
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"} | set(NEUTRAL) | IGNORED
 
@@ -60,6 +60,7 @@ class Params:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: no cut (-1, as vLLM writes it, means the same)
+    min_p: float = 0.0  # 0: no cut
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stream: bool = False
@@ -81,7 +82,8 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         raise ApiError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels",
                        code="invalid_json") from None  # fmt: skip
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON ({exc})", code="invalid_json") from None
+        why = "a number has too many digits" if "integer string conversion" in str(exc) else exc  # not Python's advice
+        raise ApiError(400, f"the request body is not valid JSON ({why})", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     _check_json(body, 1)
@@ -163,11 +165,14 @@ def _common(body: dict[str, Any], allowed: set[str], model: str, limits: Limits,
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise ApiError(400, f"stream_options must be an object with a boolean include_usage, got {options!r}",
                        param="stream_options")  # fmt: skip
+    if options and not stream:  # as OpenAI's API and vLLM answer it
+        raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
     top_k = body.get("top_k")
     top_k = 0 if top_k is None or top_k == -1 else _integer(top_k, "top_k", 0, 1 << 31)
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     return Params(prompt="", max_tokens=max_tokens, temperature=0.0 if temperature < GREEDY_BELOW else temperature,
-                  top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), top_k=top_k, seed=seed, stop=stops,
+                  top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), top_k=top_k,
+                  min_p=_number(body, "min_p", 0.0, 0.0, 1.0), seed=seed, stop=stops,
                   stream=stream, include_usage=bool(options.get("include_usage", False)))  # fmt: skip
 
 
@@ -192,7 +197,7 @@ def chat_params(body: dict[str, Any], model: str, limits: Limits) -> Params:
     checked = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant", "developer"):
-            raise ApiError(400, f"messages[{i}] must be an object with a role of system, user or assistant",
+            raise ApiError(400, f"messages[{i}] must be an object with a role of system, developer, user or assistant",
                            param=f"messages[{i}]")  # fmt: skip
         content = message.get("content")
         if isinstance(content, list):  # content parts: text only
