@@ -155,11 +155,8 @@ class Cache:
         blocked = [layer for layer in layers if layer.forward_block]  # (no walrus: torch.compile traces this)
         if not blocked or length <= 1:
             return [length]
-        block = min(layer.forward_block for layer in blocked)  # type: ignore[type-var]
-        pasts = blocked[0].row_lengths() if self.is_ragged else [self.get_seq_length()]
         # every row's boundaries: a row of a ragged batch must not cross its own either
-        cuts = sorted({end - past for past in pasts
-                       for end in range((past // block + 1) * block, past + length, block)})  # fmt: skip
+        cuts = sorted(set().union(*(layer.forward_cuts(length) for layer in blocked)))
         return [end - start for start, end in zip([0, *cuts], [*cuts, length], strict=True)]
 
     def get_query_offset(self, layer_idx: int = 0) -> int:

@@ -12,9 +12,9 @@ from test_serve_engine import alone, prompt_ids, run_requests, serve_greedy
 
 from kvcache.generation.sampling import Sampling
 from kvcache.layers.quantized import QuantizedLayer
+from kvcache.layers.quantized_rows import QuantizedRows
 from kvcache.models import load_default_model
 from kvcache.serve.engine import Engine, Request
-from kvcache.serve.quantized_rows import QuantizedRows
 from kvcache.store import PrefixStore
 from kvcache.store.quant_payloads import QuantDelta
 

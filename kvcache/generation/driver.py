@@ -19,6 +19,7 @@ import torch
 from ..cache import Cache
 from ..encoder_decoder import EncoderDecoderCache
 from ..errors import GenerationError
+from ..layers.quantized_rows import rows_quantized_alone
 from ..protocol import last_logits
 from . import inputs
 from .recovery import StreamCounter, recover, settle
@@ -138,6 +139,8 @@ def generate(
     if given_cache or defer_stop is True:  # a cache of the caller's, even an empty one, must fit the model
         inputs.probe_cache(model, cache, input_ids, tokens, encoder_decoder, need_rollback=defer_stop is True)
     recording_on_entry = [layer.record_past for layer in layers]
+    # an empty cache's quantized layers quantize each row at its own positions (padding passed over)
+    pads = [] if past or encoder_decoder else [0] * batch if token_mask is None else (token_mask == 0).sum(1).tolist()
 
     counter = None if streamer is None else StreamCounter(streamer)
     made: list[StopCheck] = []  # the stop check, once the prefill has made it
@@ -145,9 +148,10 @@ def generate(
         if past > 0:  # so that an interrupted prefill can go back to what the cache held on entry
             for layer in layers:
                 layer.activate_past_recording()
-        return _run(model, cache, input_ids, attention_mask, encoder_decoder, tokens, token_mask, past, length,
-                    max_new_tokens, sampling, generator, counter, output_scores, defer_stop, eos, pad,
-                    recording_on_entry, made.append, session)  # fmt: skip
+        with rows_quantized_alone(cache, pads) if pads else contextlib.nullcontext():
+            return _run(model, cache, input_ids, attention_mask, encoder_decoder, tokens, token_mask, past, length,
+                        max_new_tokens, sampling, generator, counter, output_scores, defer_stop, eos, pad,
+                        recording_on_entry, made.append, session)  # fmt: skip
     except BaseException:
         stop = made[-1] if made else None
         if isinstance(stop, DeferredStopCheck) and not stop.ended and not (counter and counter.raised):

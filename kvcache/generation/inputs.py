@@ -13,6 +13,7 @@ from ..errors import CacheInputError, GenerationError, KVCacheError
 from ..layers.dynamic import DynamicLayer
 from ..layers.hybrid import HybridLayer
 from ..layers.quantized import QuantizedLayer
+from ..layers.quantized_rows import QuantizedRows
 from ..layers.quantized_sliding import QuantizedSlidingWindowLayer
 from ..layers.recurrent import RecurrentLayer
 from ..layers.sliding import SlidingWindowLayer
@@ -174,6 +175,7 @@ def _same_kind(mine: Any, ref: Any) -> bool:
     quantized, a sliding window held as is, statically or quantized, recurrent states dynamically
     or statically (every static cache transformers' `generate` accepts for the model)."""
     full = (DynamicLayer, StaticLayer, QuantizedLayer)
+    mine = mine.like if isinstance(mine, QuantizedRows) else mine  # rows quantized alone: of that kind
     if type(ref) is DynamicLayer and isinstance(mine, full) and not mine.is_sliding:
         return True
     if type(ref) is SlidingWindowLayer and isinstance(mine, (QuantizedSlidingWindowLayer, StaticSlidingWindowLayer)):
@@ -195,7 +197,8 @@ def check_cache_shapes(cache: Cache, probe: Cache) -> None:
         raise CacheInputError(
             f"cache has {len(given)} layer(s) but the model writes {len(fresh)}: another model's cache?"
         )
-    for i, (mine, ref) in enumerate(zip(given, fresh, strict=True)):
+    for i, (held, ref) in enumerate(zip(given, fresh, strict=True)):
+        mine = held.like if isinstance(held, QuantizedRows) else held
         if not _same_kind(mine, ref):
             raise CacheInputError(f"cache layer {i} is a {type(mine).__name__}, the model needs a {type(ref).__name__}")
         mine_meta, ref_meta = mine.meta_state, ref.meta_state

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..errors import GenerationError
+from ..layers.quantized_rows import rows_quantized_alone
 from ..protocol import last_logits
 from .draft_schedule import DraftLength
 from .drafters import Draft, Drafter, ModelDrafter, check_draft
@@ -117,7 +118,8 @@ class BatchRunner:
             pads = torch.tensor(self.pads, device=self.device)[:, None]
             mask = (columns >= pads).long() if any(self.pads) else None
             keep = {} if self.encoder else last_logits(self.model)  # nobody reads the prompt's logits
-            self._call(ids, (columns - pads).clamp(min=0), mask, keep)
+            with rows_quantized_alone(self.cache, self.pads):  # quantized: each row at its own positions
+                self._call(ids, (columns - pads).clamp(min=0), mask, keep)
         self.cache.activate_past_recording()
         self.forwards = 0  # count decoding forwards only
 

@@ -5,6 +5,7 @@ from .dynamic import DynamicLayer
 from .empty import EmptyLayer
 from .hybrid import HybridLayer
 from .quantized import QuantizedLayer
+from .quantized_rows import QuantizedRows
 from .quantized_sliding import QuantizedSlidingWindowLayer
 from .recurrent import RecurrentLayer
 from .sliding import SlidingWindowLayer
@@ -19,6 +20,7 @@ __all__ = [
     "EmptyLayer",
     "HybridLayer",
     "QuantizedLayer",
+    "QuantizedRows",
     "QuantizedSlidingWindowLayer",
     "RecurrentLayer",
     "SlidingWindowLayer",

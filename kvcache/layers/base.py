@@ -68,6 +68,15 @@ class CacheLayer(ABC):
         """Most tokens the layer can hold; -1 when unbounded."""
         return -1
 
+    def forward_cuts(self, length: int) -> set[int]:
+        """Where a forward of `length` new tokens must be cut (offsets into it) so that no row
+        crosses a boundary of its `forward_block`s inside one piece (`Cache.forward_segments`)."""
+        block = self.forward_block
+        if not block:
+            return set()
+        pasts = self.row_lengths() if self.is_ragged else [self.get_seq_length()]
+        return {end - past for past in pasts for end in range((past // block + 1) * block, past + length, block)}
+
     # --------------------------------------------------------------------------------- rollback
     @property
     def record_past(self) -> bool:

@@ -119,6 +119,9 @@ class HybridLayer(CacheLayer):
     def forward_block(self) -> int | None:  # type: ignore[override]
         return self.attention.forward_block
 
+    def forward_cuts(self, length: int) -> set[int]:
+        return self.attention.forward_cuts(length)
+
     def check_crop(self, tokens_to_remove: Any) -> None:
         self.attention.check_crop(tokens_to_remove)
         self.recurrent.check_crop(tokens_to_remove)

@@ -25,10 +25,10 @@ from ..layers.base import LAYER_REGISTRY, CacheLayer
 from ..layers.dynamic import DynamicLayer
 from ..layers.empty import EmptyLayer
 from ..layers.hybrid import HybridLayer
+from ..layers.quantized_rows import QuantizedRows
 from ..layers.recurrent import RecurrentLayer
 from ..layers.sliding import SlidingWindowLayer
 from ..store.payloads import Delta, Payload, WindowDelta, capture
-from .quantized_rows import QuantizedRows
 
 #: (class name, meta_state, state) of a batch-1 layer: one row's content.
 RowState = tuple[str, dict[str, Any], dict[str, torch.Tensor]]
