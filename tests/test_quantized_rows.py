@@ -171,3 +171,18 @@ def test_bad_rows_are_clear_errors() -> None:
     with pytest.raises(CacheInputError, match="batch of 2"):
         layer.update(torch.randn(3, 1, 2, 8), torch.randn(3, 1, 2, 8))
     assert layer.row_lengths() == [0, 0] and layer.skip == [0, 2]
+
+
+def test_moving_rows_keeps_their_quantized_data_and_scales() -> None:
+    """`to(dtype)` casts each row's full-precision tokens only (as `QuantizedLayer.to`), and a bad
+    argument changes nothing."""
+    layer = QuantizedRows.padded(QuantizedLayer(4, 32, residual=4), [0, 3])
+    layer.update(torch.randn(2, 1, 11, 8, dtype=torch.float64), torch.randn(2, 1, 11, 8, dtype=torch.float64))
+    before = {k: v.clone() for k, v in layer.state.items()}
+    with pytest.raises(CacheInputError):
+        layer.to(dtype="float32")  # type: ignore[arg-type]
+    assert all(torch.equal(before[k], v) for k, v in layer.state.items())
+    assert layer.to(dtype=torch.float32) is layer
+    for name, tensor in layer.state.items():
+        kind = name.split(".", 1)[1]
+        assert tensor.dtype == (torch.float32 if kind in ("keys", "values") else before[name].dtype), name

@@ -23,7 +23,7 @@ import torch
 from typing_extensions import Self
 
 from ..errors import CacheInputError
-from ..validation import check_query_length
+from ..validation import check_move, check_query_length
 from .base import LAYER_REGISTRY, CacheLayer, register_layer
 from .dynamic import record_past_flag
 from .quantized import QuantizedLayer
@@ -223,6 +223,14 @@ class QuantizedRows(CacheLayer):
 
     def nbytes(self) -> int:
         return sum(row.nbytes() for row in self.rows)
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Self:
+        """Every row moved as `QuantizedLayer.to` moves it (quantized data and scales keep their
+        types); in place, returns the layer."""
+        device, dtype = check_move(device, dtype)
+        for row in self.rows:
+            row.to(device, dtype)
+        return self
 
     # ---------------------------------------------------------------------- persistence
     @property
