@@ -291,3 +291,58 @@ def test_sampled_drafts_with_min_p_return_plain_samplings_tokens(targets, kind) 
         corpus.add(out.sequences[0].tolist())
         accepted.append(sum(out.accepted_per_step))
     assert accepted[1] > NEW // 2  # the repeated seed followed its earlier answer
+
+
+def naive_answers_after(fed: list[tuple[list[int], int]], prompt: list[int], context: int) -> list[list[int]]:
+    """The answers of the fed (sequence, prompt length) pairs whose prompt's last `context` tokens
+    are `prompt`'s, most recent first, at most 4."""
+    same = [seq[n:] for seq, n in fed if n and seq[:n][-context:] == prompt[-context:]]
+    return same[::-1][:4]
+
+
+def test_answers_are_found_by_how_their_prompt_ended() -> None:
+    """`answers_after`: earlier answers to prompts whose last `answer_context` tokens are this
+    prompt's (what came before does not matter), most recent first, four at most, none for a
+    sequence fed without a prompt length, and none once the budget forgot the sequence."""
+    rng = random.Random(0)
+    corpus = SuffixCorpus(max_tokens=400, answer_context=5)
+    fed: list[tuple[list[int], int]] = []
+    endings = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [9, 2, 3, 4, 5]]
+    for i in range(40):
+        prompt = [rng.randrange(20, 40) for _ in range(rng.randrange(0, 4))] + rng.choice(endings)
+        answer = [rng.randrange(40, 60) for _ in range(rng.randrange(1, 9))]
+        length = 0 if i % 7 == 3 else len(prompt)
+        corpus.add(prompt + answer, length)
+        fed.append((prompt + answer, length))
+        kept = fed[-len(corpus) :]  # the corpus forgets whole sequences, oldest first
+        for ending in endings:
+            asked = [33, *ending]
+            assert corpus.answers_after(asked) == naive_answers_after(kept, asked, 5), (i, ending)
+    assert len(corpus) < 40  # the budget forgot some: their answers went with them
+
+
+def test_a_repeated_prompt_follows_its_own_earlier_answer_from_the_first_token(targets) -> None:
+    """Prompts that end alike ("...Call: ") but differ further back get different answers; the
+    counts of the contexts the answers start from then point to the most frequent answer, not this
+    prompt's. A repeated prompt drafts its own earlier answer from its first step (reported as a
+    match deeper than the counts hold), and the output stays plain greedy decoding's."""
+    target = targets["full"]
+    tail = [7, 3, 3, 8, 2, 2, 6, 1, 9, 4]  # longer than the counts' depth of 8
+    prompts = [[5, 1, *tail], [11, 12, *tail], [11, 12, *tail]]
+    answers = [plain_greedy(target, torch.tensor([p]), NEW)[0][len(p) :] for p in prompts[:2]]
+    assert answers[0] != answers[1]
+    corpus = SuffixCorpus()
+    corpus.add(prompts[1] + answers[1], len(prompts[1]))
+    corpus.add(prompts[2] + answers[1], len(prompts[2]))  # the other answer, twice: the counts favour it
+    corpus.add(prompts[0] + answers[0], len(prompts[0]))
+    drafter = SuffixDrafter(corpus)
+    drafter.start(prompts[0], device=torch.device("cpu"))
+    draft = drafter.propose(prompts[0], 6, None)
+    assert draft.tokens == answers[0][:6] and draft.match == corpus.max_depth + 1
+    out = speculative_generate(target, SuffixDrafter(corpus), torch.tensor([prompts[0]]), num_draft_tokens=8,
+                               max_new_tokens=NEW, eos_token_id=[], draft_schedule="constant")  # fmt: skip
+    assert out.sequences[0].tolist()[len(prompts[0]) :] == answers[0]
+    assert out.target_forwards <= -(-NEW // 9) + 1  # whole drafts accepted from the first step
+    counts_only = SuffixDrafter(corpus)  # the counts alone: the answer two prompts gave
+    counts_only._tokens, counts_only._prompt_length = list(prompts[0]), len(prompts[0])
+    assert counts_only.propose(prompts[0], 6, None).tokens != answers[0][:6]

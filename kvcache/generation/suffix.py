@@ -9,6 +9,13 @@ longest suffix of the current sequence the corpus (or the sequence itself) has s
 most frequent continuation, and goes on from the proposal while the continuation stays likely
 enough: the draft is as long as the match is confident, and a proposal costs O(draft length x
 depth) whatever the corpus size. Several drafters (one per request or batch row) share one corpus.
+
+A match deeper than `max_depth` matters most where an answer begins: its first tokens follow the
+prompt's last few tokens, which many prompts share ("Call: "), while what the answer depends on
+lies further back. So the corpus also keys each answer by its prompt's last `answer_context`
+tokens (SuffixDecoding's tree holds whole prompts and answers, so its deepest match finds the
+same), and a request whose prompt ends as an earlier one did first follows that answer, as long
+as what it decodes agrees with it; then the counts take over.
 """
 
 from __future__ import annotations
@@ -24,6 +31,9 @@ from ..errors import GenerationError
 from .drafters import Draft, Drafter, DraftPicker
 
 Context = tuple[int, ...]
+
+#: Answers kept per prompt ending (the most recent), for `SuffixCorpus.answers_after`.
+ANSWERS_PER_PROMPT = 4
 
 
 def _check_positive(name: str, value: Any) -> int:
@@ -99,14 +109,19 @@ class SuffixCorpus:
     and counting every prompt again costs most of the feeding (an agent's prompts are several times
     its answers) for drafts of prompt text that answers rarely repeat (`benchmarks/suffix.py`)."""
 
-    def __init__(self, max_depth: int = 8, max_tokens: int = 100_000, *, prompts: bool = False) -> None:
+    def __init__(self, max_depth: int = 8, max_tokens: int = 100_000, *, prompts: bool = False,
+                 answer_context: int = 256) -> None:  # fmt: skip
         self.max_depth = _check_positive("max_depth", max_depth)
         self.max_tokens = _check_positive("max_tokens", max_tokens)
+        self.answer_context = _check_positive("answer_context", answer_context)
         if not isinstance(prompts, bool):
             raise GenerationError(f"prompts must be True or False, got {prompts!r}")
         self.prompts = prompts
         self._counts = ContinuationCounts(max_depth)
         self._sequences: OrderedDict[int, tuple[list[int], int]] = OrderedDict()
+        # hash of a prompt's last `answer_context` tokens -> {sequence id: where its answer starts in it}
+        self._answers: dict[int, dict[int, int]] = {}
+        self._answer_key: dict[int, int] = {}  # sequence id -> its prompt's key there
         self._next_id = 0
         self.tokens = 0
 
@@ -128,12 +143,40 @@ class SuffixCorpus:
             return
         self._counts.add(kept, start=counted)
         self._sequences[self._next_id] = kept, counted
+        if 0 < prompt_length < len(tokens) and first <= prompt_length:
+            self._index_answer(self._next_id, tokens[:prompt_length], prompt_length - first)
         self._next_id += 1
         self.tokens += len(kept)
         while self.tokens > self.max_tokens:
-            _, (oldest, start) = self._sequences.popitem(last=False)
+            oldest_id, (oldest, start) = self._sequences.popitem(last=False)
             self._counts.add(oldest, start=start, sign=-1)
+            self._forget_answer(oldest_id)
             self.tokens -= len(oldest)
+
+    def _prompt_key(self, prompt: Sequence[int]) -> int:
+        return hash(tuple(int(t) for t in prompt[-self.answer_context :]))
+
+    def _index_answer(self, sequence_id: int, prompt: Sequence[int], answer_start: int) -> None:
+        key = self._prompt_key(prompt)
+        held = self._answers.setdefault(key, {})
+        held[sequence_id] = answer_start
+        self._answer_key[sequence_id] = key
+        if len(held) > ANSWERS_PER_PROMPT:  # the oldest answer leaves the index (its counts stay)
+            self._forget_answer(next(iter(held)))
+
+    def _forget_answer(self, sequence_id: int) -> None:
+        key = self._answer_key.pop(sequence_id, None)
+        if key is not None:
+            held = self._answers[key]
+            del held[sequence_id]
+            if not held:
+                del self._answers[key]
+
+    def answers_after(self, prompt: Sequence[int]) -> list[list[int]]:
+        """The answers held of earlier requests whose prompt ended with the same `answer_context`
+        tokens as `prompt` (most recent first)."""
+        held = self._answers.get(self._prompt_key(prompt), {})
+        return [self._sequences[i][0][start:] for i, start in reversed(held.items())]
 
     def get(self, context: Context) -> dict[int, int] | None:
         return self._counts.get(context)
@@ -150,7 +193,9 @@ class SuffixDrafter(Drafter):
     and after `per_match` tokens per token of the match the draft starts from (SuffixDecoding's
     rule: a short match, common text, earns a short draft; a long one, a repeat, a long draft); a
     match of the corpus's whole `max_depth` is not limited (a repeat goes on as far as it is
-    confident).
+    confident). Where the prompt ends as an earlier request's did, the earlier answer that agrees
+    with what was decoded so far is proposed first (`SuffixCorpus.answers_after`: a match of the
+    whole prompt ending, reported as `max_depth + 1`).
     `start` feeds the sequence a previous `start` began (its prompt and what was decoded since) to
     the corpus, so answers of earlier requests help later ones; `finish` does that explicitly."""
 
@@ -175,11 +220,14 @@ class SuffixDrafter(Drafter):
         self._own = ContinuationCounts(self.corpus.max_depth)
         self._tokens: list[int] = []
         self._prompt_length = 0
+        self._answers: list[list[int]] = []  # earlier answers to a prompt that ended as this one does
+        self._agreed = 0  # decoded tokens they were checked against
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SuffixDrafter:
         """A batch copies the drafter per row: each row gets its own sequence, the corpus is shared."""
         twin = copy.copy(self)
         twin._own, twin._tokens, twin._prompt_length = ContinuationCounts(self.corpus.max_depth), [], 0
+        twin._answers, twin._agreed = [], 0
         return twin
 
     def start(self, prompt: Sequence[int], *, device: torch.device, **kwargs: Any) -> None:
@@ -188,18 +236,21 @@ class SuffixDrafter(Drafter):
         self._tokens = []
         self._catch_up(prompt)
         self._prompt_length = len(self._tokens)
+        self._answers, self._agreed = self.corpus.answers_after(self._tokens), 0
 
     def finish(self) -> None:
         """Feed the sequence so far (its prompt and answer) to the corpus (once) and forget it."""
         if self._tokens:
             self.corpus.add(self._tokens, self._prompt_length)
         self._tokens, self._own, self._prompt_length = [], ContinuationCounts(self.corpus.max_depth), 0
+        self._answers, self._agreed = [], 0
 
     def _catch_up(self, sequence: Sequence[int]) -> None:
         done = len(self._tokens)
         if len(sequence) < done or list(sequence[max(done - 1, 0) : done]) != self._tokens[max(done - 1, 0) :]:
             self._own, self._tokens, done = ContinuationCounts(self.corpus.max_depth), [], 0
             self._prompt_length = 0  # a sequence of its own: fed whole
+            self._answers, self._agreed = [], 0
         self._tokens.extend(int(t) for t in sequence[done:])
         self._own.add(self._tokens, start=max(done, 1))
 
@@ -208,6 +259,9 @@ class SuffixDrafter(Drafter):
             return Draft([])
         self._catch_up(sequence)
         depth = self.corpus.max_depth
+        following = self._earlier_answer(num_tokens)
+        if following:
+            return Draft(following, match=depth + 1)
         context = self._tokens[-depth:]
         drafted: list[int] = []
         longest = len(context)  # the longest seen suffix is at most this long
@@ -224,6 +278,23 @@ class SuffixDrafter(Drafter):
             context = [*context, choice][-depth:]
             longest = min(n + 1, len(context))  # context + choice was followed by something only if context was
         return Draft(drafted, match=match)
+
+    def _earlier_answer(self, most: int) -> list[int]:
+        """Up to `most` tokens that follow the decoded ones in the earlier answers (to a prompt that
+        ended as this one) that agree with them, the most common such, [] if none: each decoded
+        token is checked once."""
+        if not self._answers:
+            return []
+        decoded = self._tokens[self._prompt_length :]
+        done, self._agreed = self._agreed, len(decoded)
+        self._answers = [a for a in self._answers if len(a) > len(decoded) and a[done : len(decoded)] == decoded[done:]]
+        if not self._answers:
+            return []
+        votes: dict[tuple[int, ...], int] = {}
+        for answer in self._answers:
+            rest = tuple(answer[len(decoded) : len(decoded) + most])
+            votes[rest] = votes.get(rest, 0) + 1
+        return list(max(votes.items(), key=lambda item: item[1])[0])
 
     def _seen(self, key: int) -> bool:
         return key in self.corpus._counts.counts or key in self._own.counts
