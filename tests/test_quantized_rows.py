@@ -186,3 +186,38 @@ def test_moving_rows_keeps_their_quantized_data_and_scales() -> None:
     for name, tensor in layer.state.items():
         kind = name.split(".", 1)[1]
         assert tensor.dtype == (torch.float32 if kind in ("keys", "values") else before[name].dtype), name
+
+
+def test_a_failed_padded_run_leaves_the_cache_as_it_was() -> None:
+    """A run that fails is rolled back to what was streamed: a cache it left empty (the streamer
+    raised at the first step) holds its own quantized layers again, the very objects, and serves
+    the next run; one that streamed two steps keeps them, in rows quantized alone."""
+    model = model_of("sliding", 4)
+    ids, mask, prompts = padded()
+    cache = model.new_cache()
+    layers = list(cache.layers)
+
+    class Failing:
+        def __init__(self, at: int) -> None:
+            self.steps, self.at = 0, at
+
+        def put(self, tokens: torch.Tensor) -> None:
+            self.steps += 1
+            if self.steps == self.at:
+                raise RuntimeError("the client went away")
+
+        def end(self) -> None:
+            pass
+
+    def fail(at: int) -> None:
+        with pytest.raises(RuntimeError, match="went away"):
+            generate(model, ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=[], cache=cache,
+                     streamer=Failing(at), defer_stop=False)  # fmt: skip
+
+    fail(1)
+    assert cache.get_seq_length() == 0 and all(a is b for a, b in zip(cache.layers, layers, strict=True))
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=[], cache=cache)
+    assert out.sequences[1, ids.shape[1] :].tolist() == alone(model, prompts[1])[0]
+    cache = model.new_cache()
+    fail(3)
+    assert cache.get_seq_length() == ids.shape[1] + 1 and isinstance(cache.layers[0], QuantizedRows)

@@ -144,22 +144,22 @@ def generate(
 
     counter = None if streamer is None else StreamCounter(streamer)
     made: list[StopCheck] = []  # the stop check, once the prefill has made it
-    try:
-        if past > 0:  # so that an interrupted prefill can go back to what the cache held on entry
-            for layer in layers:
-                layer.activate_past_recording()
-        with rows_quantized_alone(cache, pads) if pads else contextlib.nullcontext():
+    with rows_quantized_alone(cache, pads) if pads else contextlib.nullcontext():  # (undone if it ends empty)
+        try:
+            if past > 0:  # so that an interrupted prefill can go back to what the cache held on entry
+                for layer in layers:
+                    layer.activate_past_recording()
             return _run(model, cache, input_ids, attention_mask, encoder_decoder, tokens, token_mask, past, length,
                         max_new_tokens, sampling, generator, counter, output_scores, defer_stop, eos, pad,
                         recording_on_entry, made.append, session)  # fmt: skip
-    except BaseException:
-        stop = made[-1] if made else None
-        if isinstance(stop, DeferredStopCheck) and not stop.ended and not (counter and counter.raised):
-            with contextlib.suppress(Exception):  # stream the step it held back, as finishing would
-                stop.finish()
-        streamed = [] if counter is None or counter.accepted == 0 else [length + counter.accepted - 1]
-        recover(cache, [*streamed, past], recording_on_entry)
-        raise
+        except BaseException:
+            stop = made[-1] if made else None
+            if isinstance(stop, DeferredStopCheck) and not stop.ended and not (counter and counter.raised):
+                with contextlib.suppress(Exception):  # stream the step it held back, as finishing would
+                    stop.finish()
+            streamed = [] if counter is None or counter.accepted == 0 else [length + counter.accepted - 1]
+            recover(cache, [*streamed, past], recording_on_entry)
+            raise
 
 
 def _run(

@@ -293,12 +293,14 @@ def rows_quantized_alone(cache: Any, pads: list[int]) -> Iterator[None]:
     """While a batch whose row b starts with `pads[b]` padding tokens is fed to `cache` (empty):
     its quantized attention layers quantize every row at the row's own positions (`QuantizedRows`),
     so a row's tokens are those it gets alone; layers a lazy cache builds meanwhile too. Nothing
-    changes for unpadded batches of quantized layers, or without any."""
+    changes for unpadded batches of quantized layers, or without any; a cache that ends empty (a
+    run that failed and was rolled back) gets its own layers back."""
     container = getattr(cache, "self_attention_cache", cache)
     layers = container.layers
     if container.get_seq_length() or not (any(pads) or any(isinstance(layer, QuantizedRows) for layer in layers)):
         yield
         return
+    original = list(layers)
     layers[:] = [quantized_rows(layer, pads) for layer in layers]
     factory = container.layer_factory
     if factory is not None:
@@ -307,3 +309,5 @@ def rows_quantized_alone(cache: Any, pads: list[int]) -> Iterator[None]:
         yield
     finally:
         container.layer_factory = factory
+        if not container.get_seq_length():
+            layers[:] = original
