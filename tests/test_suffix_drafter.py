@@ -319,6 +319,13 @@ def test_answers_are_found_by_how_their_prompt_ended() -> None:
             asked = [33, *ending]
             assert corpus.answers_after(asked) == naive_answers_after(kept, asked, 5), (i, ending)
     assert len(corpus) < 40  # the budget forgot some: their answers went with them
+    corpus.add(torch.tensor([7, 1, 2, 3, 4, 5, 41, 42]), 6)  # a tensor row, as a batch's output is
+    assert corpus.answers_after([1, 2, 3, 4, 5])[0] == [41, 42]
+    for bad in ("abc", [1.5, 2.0], [True]):
+        with pytest.raises(GenerationError, match="token ids"):
+            corpus.answers_after(bad)  # type: ignore[arg-type]
+    with pytest.raises(GenerationError, match="answer_context"):
+        SuffixCorpus(answer_context=0)
 
 
 def test_a_repeated_prompt_follows_its_own_earlier_answer_from_the_first_token(targets) -> None:

@@ -144,7 +144,8 @@ class SuffixCorpus:
         self._counts.add(kept, start=counted)
         self._sequences[self._next_id] = kept, counted
         if 0 < prompt_length < len(tokens) and first <= prompt_length:
-            self._index_answer(self._next_id, tokens[:prompt_length], prompt_length - first)
+            tail = [int(t) for t in tokens[max(prompt_length - self.answer_context, 0) : prompt_length]]
+            self._index_answer(self._next_id, tail, prompt_length - first)
         self._next_id += 1
         self.tokens += len(kept)
         while self.tokens > self.max_tokens:
@@ -154,7 +155,10 @@ class SuffixCorpus:
             self.tokens -= len(oldest)
 
     def _prompt_key(self, prompt: Sequence[int]) -> int:
-        return hash(tuple(int(t) for t in prompt[-self.answer_context :]))
+        tail = prompt[-self.answer_context :]
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in tail):
+            raise GenerationError(f"a prompt must be a list of token ids, got {list(tail)[:8]!r}"[:200])
+        return hash(tuple(tail))
 
     def _index_answer(self, sequence_id: int, prompt: Sequence[int], answer_start: int) -> None:
         key = self._prompt_key(prompt)
