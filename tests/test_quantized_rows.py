@@ -104,6 +104,12 @@ def test_forwards_are_cut_at_every_rows_own_block_boundaries() -> None:
     owns = [13 - p for p in pads]
     assert layer.row_lengths() == [13] * 4 and [row.get_seq_length() for row in layer.rows] == owns
     assert layer.forward_cuts(7) == naive_cuts(owns, [0] * 4, 7, 4) and layer.forward_cuts(7)
+    # a server's rows (drafts stop at each row's boundaries; what it feeds past them is dropped): no cuts
+    served = QuantizedRows.from_state({**layer.meta_state, "cuts": False}, layer.state)
+    assert served.forward_cuts(7) == set() and Cache([served]).forward_segments(7) == [7]
+    assert QuantizedRows.from_state(served.meta_state, served.state).cuts is False
+    with pytest.raises(CacheInputError, match="cuts"):
+        QuantizedRows.from_state({**layer.meta_state, "cuts": "no"}, layer.state)
 
 
 @pytest.mark.parametrize("window", [None, 6])

@@ -41,13 +41,18 @@ class QuantizedRows(CacheLayer):
     """Rows of a batch, each a batch-1 `QuantizedLayer` (or quantized window) of its real tokens,
     placed after `pads[b]` padding slots, of which the first `skip[b]` are still to come (the row
     holds nothing until they have passed). With no rows (after `reset`), the first update makes
-    one unpadded row per batch row, like the `blank` layer."""
+    one unpadded row per batch row, like the `blank` layer. `cuts=False`: the caller never feeds a
+    row's real tokens across its own block boundary in one forward (a server's drafts stop there),
+    so forwards are not cut for what it feeds past them (fillers it drops)."""
 
     crops_rows = True
 
     def __init__(self, rows: list[QuantizedLayer], pads: list[int], skip: list[int] | None = None,
-                 blank: QuantizedLayer | None = None) -> None:  # fmt: skip
+                 blank: QuantizedLayer | None = None, *, cuts: bool = True) -> None:  # fmt: skip
         super().__init__()
+        if not isinstance(cuts, bool):
+            raise CacheInputError(f"QuantizedRows: cuts must be a bool, got {cuts!r}")
+        self.cuts = cuts
         pads = _counts(pads, "pads")
         skip = [0] * len(pads) if skip is None else _counts(skip, "skip")
         if not isinstance(rows, list) or len(rows) != len(pads) or len(skip) != len(pads):
@@ -106,6 +111,8 @@ class QuantizedRows(CacheLayer):
         """Each row's own block boundaries within a forward of `length` tokens (after its padding
         still to come): where a lone row's forward would be cut."""
         block, cuts = self.forward_block, set()
+        if not self.cuts:
+            return cuts
         for row, ahead in zip(self.rows, self.skip, strict=True):
             own = row.get_seq_length()
             real = length - min(ahead, length)
@@ -239,7 +246,7 @@ class QuantizedRows(CacheLayer):
 
     @property
     def meta_state(self) -> dict[str, Any]:
-        return {"pads": self.pads, "skip": self.skip, "record_past": self._recording,
+        return {"pads": self.pads, "skip": self.skip, "record_past": self._recording, "cuts": self.cuts,
                 "blank": {"class": type(self._blank).__name__, "meta_state": self._blank.meta_state},
                 "rows": [{"class": type(row).__name__, "meta_state": row.meta_state} for row in self.rows]}  # fmt: skip
 
@@ -264,7 +271,8 @@ class QuantizedRows(CacheLayer):
         if set(state) - taken:
             raise CacheInputError(f"QuantizedRows: tensors {sorted(set(state) - taken)} belong to no row")
         blank = cls._quantized_layer(meta_state.get("blank"), {}, "blank")
-        layer = cls(rows, meta_state.get("pads"), meta_state.get("skip"), blank=blank)  # type: ignore[arg-type]
+        layer = cls(rows, meta_state.get("pads"), meta_state.get("skip"), blank=blank,  # type: ignore[arg-type]
+                    cuts=meta_state.get("cuts", True))  # fmt: skip
         recording = record_past_flag(meta_state, "QuantizedRows")
         if rows and any(row.record_past != recording for row in rows):
             raise CacheInputError("QuantizedRows: 'record_past' differs from its rows'")

@@ -170,7 +170,8 @@ def _stack_layer(rows: list[RowState]) -> CacheLayer:
     longest = max(reals)
     if cls in QUANTIZED:  # rows keep their own layers (blocks where the request alone has them)
         layers = [LAYER_REGISTRY[c].from_state(m, s) for c, m, s in rows]
-        return QuantizedRows(layers, [longest - n for n in reals])  # type: ignore[arg-type]
+        # drafts stop at each row's block boundaries (`serve.speculation`): fillers past them need no cut
+        return QuantizedRows(layers, [longest - n for n in reals], cuts=False)  # type: ignore[arg-type]
     if cls == "SlidingWindowLayer":
         kept = min(meta0["sliding_window"] - 1, longest)
         meta = {**meta0, "seq_length": longest, "kept_length": kept}
