@@ -302,6 +302,44 @@ def test_suffix_drafting_learns_from_finished_requests_and_changes_no_answer(bun
     assert second_steps < first_steps / 2, (first_steps, second_steps)
 
 
+def test_a_request_follows_the_answer_one_in_flight_is_decoding_to_the_same_prompt(bundled) -> None:
+    """Two clients send the same prompt, the second while the first is 24 tokens into its answer
+    (nothing is in the corpus yet): the second drafts the first's answer as far as it has got,
+    catches up and finishes within a step of it (fed by the counts of the finished answer alone it
+    would be ~24 tokens behind, 3 or more steps), and both answer as the prompt alone."""
+    from kvcache.generation import SuffixCorpus
+
+    model, tokenizer = bundled
+    counting = CountingModel(model)
+    engine = Engine(counting, PrefixStore(chunk_size=16), eos=[], speculative=8, suffix_corpus=SuffixCorpus(),
+                    draft_schedule="constant")  # fmt: skip
+    prompt = prompt_ids(tokenizer, 3, 40)
+    first, second = (Request(prompt=list(prompt), max_tokens=64, sampling=Sampling(False)) for _ in range(2))
+    tokens, done_at, finished = {id(first): 0, id(second): 0}, {}, threading.Event()
+
+    def sink(event, request):
+        if event[0] == "token":
+            tokens[id(request)] += 1
+            if request is first and tokens[id(first)] == 24:
+                engine.submit(second)
+        elif event[0] in ("done", "error"):
+            done_at[id(request)] = len(counting.fed)
+            if len(done_at) == 2:
+                finished.set()
+
+    first.on_event = lambda event: sink(event, first)
+    second.on_event = lambda event: sink(event, second)
+    engine.start()
+    try:
+        engine.submit(first)
+        assert finished.wait(120), "the engine did not answer"
+    finally:
+        engine.stop()
+    expected = alone(model, prompt, 64)
+    assert first.tokens == expected and second.tokens == expected
+    assert done_at[id(second)] - done_at[id(first)] <= 1, done_at
+
+
 def test_seeded_sampling_with_lookup_drafts_is_what_plain_decoding_samples(bundled) -> None:
     """Prompt-lookup and suffix drafts are point masses, verified by a sampling row's own draws in
     turn (`Verifier.verify`): seeded sampled answers, next to greedy rows, are those of the same

@@ -353,3 +353,44 @@ def test_a_repeated_prompt_follows_its_own_earlier_answer_from_the_first_token(t
     counts_only = SuffixDrafter(corpus)  # the counts alone: the answer two prompts gave
     counts_only._tokens, counts_only._prompt_length = list(prompts[0]), len(prompts[0])
     assert counts_only.propose(prompts[0], 6, None).tokens != answers[0][:6]
+
+
+def test_a_drafter_follows_the_answer_another_is_decoding_to_the_same_prompt() -> None:
+    """Requests in flight together: B starts while A, on a prompt ending alike, is mid-answer. B
+    drafts A's answer as far as A has got (a whole-ending match), follows it as A decodes more,
+    drops it when what B decodes disagrees; once they leave, a new drafter no longer sees it live,
+    and after A finishes its answer is read from the corpus."""
+    cpu = torch.device("cpu")
+    corpus = SuffixCorpus(answer_context=4)
+    prompt = [9, 8, 7, 6, 5, 4]
+    answer = [20, 21, 22, 23, 24, 25, 26, 27]
+    a, b = SuffixDrafter(corpus), SuffixDrafter(corpus)
+    a.start(prompt, device=cpu)
+    a.propose(prompt + answer[:3], 4, None)  # A has decoded three tokens
+    other = [1, 2, *prompt[-4:]]  # another prompt, the same ending
+    b.start(other, device=cpu)
+    draft = b.propose(other, 8, None)
+    assert draft.tokens == answer[:3] and draft.match == corpus.max_depth + 1
+    a.propose(prompt + answer[:6], 4, None)  # A goes on: B sees the new tokens
+    assert b.propose(other + answer[:2], 8, None).tokens == answer[2:6]
+    assert b.propose(other + answer[:6], 8, None).tokens == []  # level with A: nothing further yet
+    a.propose(prompt + answer, 4, None)
+    assert b.propose(other + answer[:6], 8, None).tokens == answer[6:]  # A ahead again
+    c = SuffixDrafter(corpus)
+    c.start(other, device=cpu)
+    assert c.propose([*other, 20, 99], 8, None).match <= corpus.max_depth  # disagreed: A dropped
+    for drafter in (a, b, c):
+        drafter.leave()
+    d = SuffixDrafter(corpus)
+    d.start(other, device=cpu)
+    assert d.propose(other, 8, None).tokens == []  # they left and fed nothing: no answer to follow
+    d.leave()
+    a.start(prompt, device=cpu)
+    a.propose(prompt + answer, 4, None)
+    a.finish()  # fed to the corpus: read from there by later drafters
+    e = SuffixDrafter(corpus)
+    e.start(other, device=cpu)
+    assert e.propose(other, 8, None).tokens == answer
+    assert len(corpus._live) == 1  # e, still decoding
+    e.leave()
+    assert corpus._live == {}  # every drafter that left is forgotten

@@ -15,12 +15,16 @@ prompt's last few tokens, which many prompts share ("Call: "), while what the an
 lies further back. So the corpus also keys each answer by its prompt's last `answer_context`
 tokens (SuffixDecoding's tree holds whole prompts and answers, so its deepest match finds the
 same), and a request whose prompt ends as an earlier one did first follows that answer, as long
-as what it decodes agrees with it; then the counts take over.
+as what it decodes agrees with it; then the counts take over. Requests in flight together count
+as earlier ones for each other: a drafter that starts while another decodes an answer to the same
+prompt ending follows that answer as far as it has got (a server's concurrent clients often send
+the same call; a corpus fed only when requests finish would make each wait for its own answer).
 """
 
 from __future__ import annotations
 
 import copy
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -122,6 +126,8 @@ class SuffixCorpus:
         # hash of a prompt's last `answer_context` tokens -> {sequence id: where its answer starts in it}
         self._answers: dict[int, dict[int, int]] = {}
         self._answer_key: dict[int, int] = {}  # sequence id -> its prompt's key there
+        # prompt key -> the drafters decoding an answer to a prompt ending so now (`SuffixDrafter.start`)
+        self._live: dict[int, weakref.WeakSet[SuffixDrafter]] = {}
         self._next_id = 0
         self.tokens = 0
 
@@ -182,11 +188,41 @@ class SuffixCorpus:
         held = self._answers.get(self._prompt_key(prompt), {})
         return [self._sequences[i][0][start:] for i, start in reversed(held.items())]
 
+    def _enter(self, drafter: SuffixDrafter, key: int) -> list[SuffixDrafter]:
+        """Register `drafter` as decoding an answer after prompt key `key`: the others already there."""
+        live = self._live.setdefault(key, weakref.WeakSet())
+        others = list(live)
+        live.add(drafter)
+        return others
+
+    def _leave(self, drafter: SuffixDrafter, key: int | None) -> None:
+        live = self._live.get(key) if key is not None else None
+        if live is not None:
+            live.discard(drafter)
+            if not live:
+                del self._live[key]
+
     def get(self, context: Context) -> dict[int, int] | None:
         return self._counts.get(context)
 
     def seen(self, context: Context) -> bool:
         return self._counts.seen(context)
+
+
+class _Answer:
+    """An answer a drafter follows: `tokens[start:]`, still growing while its `owner` (another
+    drafter, None for a finished answer) decodes into that very list; `checked` of its tokens were
+    found equal to what the follower decoded."""
+
+    __slots__ = ("checked", "owner", "start", "tokens")
+
+    def __init__(self, tokens: list[int], start: int, owner: SuffixDrafter | None = None) -> None:
+        self.tokens, self.start, self.owner, self.checked = tokens, start, owner, 0
+
+    @property
+    def growing(self) -> bool:
+        owner = self.owner
+        return owner is not None and owner._key is not None and owner._tokens is self.tokens
 
 
 class SuffixDrafter(Drafter):
@@ -199,7 +235,8 @@ class SuffixDrafter(Drafter):
     match of the corpus's whole `max_depth` is not limited (a repeat goes on as far as it is
     confident). Where the prompt ends as an earlier request's did, the earlier answer that agrees
     with what was decoded so far is proposed first (`SuffixCorpus.answers_after`: a match of the
-    whole prompt ending, reported as `max_depth + 1`).
+    whole prompt ending, reported as `max_depth + 1`), as is the answer another drafter of the
+    corpus is decoding to such a prompt, as far as it has got.
     `start` feeds the sequence a previous `start` began (its prompt and what was decoded since) to
     the corpus, so answers of earlier requests help later ones; `finish` does that explicitly."""
 
@@ -224,14 +261,14 @@ class SuffixDrafter(Drafter):
         self._own = ContinuationCounts(self.corpus.max_depth)
         self._tokens: list[int] = []
         self._prompt_length = 0
-        self._answers: list[list[int]] = []  # earlier answers to a prompt that ended as this one does
-        self._agreed = 0  # decoded tokens they were checked against
+        self._answers: list[_Answer] = []  # earlier answers to a prompt that ended as this one does
+        self._key: int | None = None  # that prompt ending's key, while registered in the corpus
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SuffixDrafter:
         """A batch copies the drafter per row: each row gets its own sequence, the corpus is shared."""
         twin = copy.copy(self)
         twin._own, twin._tokens, twin._prompt_length = ContinuationCounts(self.corpus.max_depth), [], 0
-        twin._answers, twin._agreed = [], 0
+        twin._answers, twin._key = [], None
         return twin
 
     def start(self, prompt: Sequence[int], *, device: torch.device, **kwargs: Any) -> None:
@@ -240,21 +277,30 @@ class SuffixDrafter(Drafter):
         self._tokens = []
         self._catch_up(prompt)
         self._prompt_length = len(self._tokens)
-        self._answers, self._agreed = self.corpus.answers_after(self._tokens), 0
+        self._answers = [_Answer(a, 0) for a in self.corpus.answers_after(self._tokens)]
+        if self._tokens:
+            self._key = self.corpus._prompt_key(self._tokens)
+            self._answers += [_Answer(d._tokens, d._prompt_length, d) for d in self.corpus._enter(self, self._key)]
 
     def finish(self) -> None:
         """Feed the sequence so far (its prompt and answer) to the corpus (once) and forget it."""
+        self.leave()
         if self._tokens:
             self.corpus.add(self._tokens, self._prompt_length)
         self._tokens, self._own, self._prompt_length = [], ContinuationCounts(self.corpus.max_depth), 0
-        self._answers, self._agreed = [], 0
+
+    def leave(self) -> None:
+        """Stop offering this answer to other drafters as one being decoded (its request ended;
+        a server feeds the finished answer to the corpus itself)."""
+        self.corpus._leave(self, self._key)
+        self._key, self._answers = None, []
 
     def _catch_up(self, sequence: Sequence[int]) -> None:
         done = len(self._tokens)
         if len(sequence) < done or list(sequence[max(done - 1, 0) : done]) != self._tokens[max(done - 1, 0) :]:
+            self.leave()
             self._own, self._tokens, done = ContinuationCounts(self.corpus.max_depth), [], 0
             self._prompt_length = 0  # a sequence of its own: fed whole
-            self._answers, self._agreed = [], 0
         self._tokens.extend(int(t) for t in sequence[done:])
         self._own.add(self._tokens, start=max(done, 1))
 
@@ -286,19 +332,26 @@ class SuffixDrafter(Drafter):
     def _earlier_answer(self, most: int) -> list[int]:
         """Up to `most` tokens that follow the decoded ones in the earlier answers (to a prompt that
         ended as this one) that agree with them, the most common such, [] if none: each decoded
-        token is checked once."""
+        token is checked once per answer. An answer still being decoded is kept while it agrees,
+        even while it is behind this one (it may be ahead again after a step)."""
         if not self._answers:
             return []
-        decoded = self._tokens[self._prompt_length :]
-        done, self._agreed = self._agreed, len(decoded)
-        self._answers = [a for a in self._answers if len(a) > len(decoded) and a[done : len(decoded)] == decoded[done:]]
-        if not self._answers:
-            return []
-        votes: dict[tuple[int, ...], int] = {}
+        ours, decoded = self._prompt_length, len(self._tokens) - self._prompt_length
+        kept, votes = [], {}
         for answer in self._answers:
-            rest = tuple(answer[len(decoded) : len(decoded) + most])
-            votes[rest] = votes.get(rest, 0) + 1
-        return list(max(votes.items(), key=lambda item: item[1])[0])
+            upto = min(decoded, len(answer.tokens) - answer.start)
+            theirs, done = answer.start, answer.checked
+            if answer.tokens[theirs + done : theirs + upto] != self._tokens[ours + done : ours + upto]:
+                continue
+            answer.checked = upto
+            if upto < decoded and not answer.growing:
+                continue
+            kept.append(answer)
+            rest = tuple(answer.tokens[theirs + decoded : theirs + decoded + most])
+            if rest:
+                votes[rest] = votes.get(rest, 0) + 1
+        self._answers = kept
+        return list(max(votes.items(), key=lambda item: item[1])[0]) if votes else []
 
     def _seen(self, key: int) -> bool:
         return key in self.corpus._counts.counts or key in self._own.counts

@@ -410,6 +410,7 @@ class Engine:
 
     def _finish(self, request: Request, reason: str) -> None:
         request.finish_reason = reason
+        self._leave(request)
         if self.suffix_corpus is not None and reason in ("stop", "length"):
             self.suffix_corpus.add(request.prompt + request.tokens, len(request.prompt))  # later requests draft from it
         request.cache = None
@@ -419,8 +420,15 @@ class Engine:
         """End `request` alone with an error event (logged here: it is a bug or a bad model)."""
         traceback.print_exc()
         request.finish_reason = "error"
+        self._leave(request)
         request.cache = None
         self._send(request, ("error", f"{type(exc).__name__}: {exc}"))
+
+    @staticmethod
+    def _leave(request: Request) -> None:
+        """A suffix drafter stops offering the request's answer to the others in flight."""
+        if isinstance(request.drafter, SuffixDrafter):
+            request.drafter.leave()
 
     def _send(self, request: Request, event: tuple[str, Any]) -> None:
         sink = request.on_event
