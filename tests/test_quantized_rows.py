@@ -227,3 +227,52 @@ def test_a_failed_padded_run_leaves_the_cache_as_it_was() -> None:
     cache = model.new_cache()
     fail(3)
     assert cache.get_seq_length() == ids.shape[1] + 1 and isinstance(cache.layers[0], QuantizedRows)
+
+
+@pytest.mark.parametrize("window", [None, 12])
+@pytest.mark.parametrize("value_groups", ["channel", "token"])
+def test_an_update_returns_each_row_as_its_layer_alone_returns_it(window: int | None, value_groups: str) -> None:
+    """A random program (a left-padded prefill, steps of 1-3 tokens, crops while recording, a
+    commit): every update's keys and values, row by row, are exactly what the row's own batch-1
+    layer returns for the same tokens (`QuantizedLayer.update`, which dequantizes row by row; the
+    batch dequantizes all rows in one pass), at the row's slots, and zeros in its padding."""
+    gen = torch.Generator().manual_seed(7 if window is None else 8)
+
+    def blank() -> QuantizedLayer:
+        if window is None:
+            return QuantizedLayer(4, 32, residual=4, value_groups=value_groups)
+        return QuantizedSlidingWindowLayer(window, 4, 32, residual=4, value_groups=value_groups)
+
+    pads = [0, 5, 11, 3]
+    batch = QuantizedRows.padded(blank(), pads)
+    batch.activate_past_recording()
+    twins = [blank() for _ in pads]
+    for twin in twins:
+        twin.activate_past_recording()
+    step = 0
+    for step in range(40):
+        if step and step % 7 == 0:
+            n = int(torch.randint(1, 4, (), generator=gen))
+            if all(twin.get_seq_length() > n + 8 for twin in twins):
+                batch.crop(-n)
+                for twin in twins:
+                    twin.crop(-n)
+                continue
+        if step == 25:
+            batch.crop(0)
+            for twin in twins:
+                twin.crop(0)
+        query = 16 if step == 0 else int(torch.randint(1, 4, (), generator=gen))
+        keys, values = (torch.randn(4, 2, query, 32, generator=gen, dtype=torch.float64) for _ in range(2))
+        offset = batch.get_mask_sizes(query)[1]
+        ahead = list(batch.skip)
+        got_keys, got_values = batch.update(keys, values)
+        for b, twin in enumerate(twins):
+            skip = min(ahead[b], query)
+            visible = twin.get_mask_sizes(query - skip)[1]
+            own_keys, own_values = twin.update(keys[b : b + 1, :, skip:], values[b : b + 1, :, skip:])
+            slot, n = pads[b] + visible - offset, own_keys.shape[2]
+            for got, own in ((got_keys, own_keys), (got_values, own_values)):
+                assert torch.equal(got[b, :, slot : slot + n], own[0]), (step, b)
+                assert not got[b, :, :slot].any() and not got[b, :, slot + n :].any(), (step, b)
+    assert batch.row_lengths() == [pad + twin.get_seq_length() for pad, twin in zip(pads, twins, strict=True)]

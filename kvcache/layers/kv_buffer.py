@@ -221,6 +221,12 @@ class KVBuffer:
         lo = self.end - n
         return self.keys.narrow(2, lo, n), self.values.narrow(2, lo, n)
 
+    def span(self, i: int, back: int, n: int) -> torch.Tensor:
+        """A view of keys (`i` 0) or values (1): `n` tokens from `back` tokens before the end."""
+        held = self.keys if i == 0 else self.values
+        assert held is not None
+        return held.narrow(2, self.end - back, n)
+
     def live(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of all live tokens, oldest first."""
         return self.tail(len(self))

@@ -125,12 +125,7 @@ class QuantizedLayer(CacheLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        self._fp.check(key_states, value_states, self._name)
-        if not key_states.is_floating_point():
-            raise CacheInputError(f"{self._name}.update takes floating-point keys/values, got {key_states.dtype}")
-        if self._fp.keys is None:
-            self._group = groups_of(key_states.shape[3], self.group_size)
-            groups_of(value_states.shape[3], self.group_size)
+        self._check_update(key_states, value_states)
         visible = self._first_visible()
         seen = self._quantized  # the update's tokens and the residual before them are seen in full precision
         ahead = self._rows_ahead() if self.is_ragged else {}
@@ -141,6 +136,16 @@ class QuantizedLayer(CacheLayer):
             self._seen_as_alone(returned, visible, seen, ahead)
         self._evict()  # after: the queries of this update see the window before them
         return returned
+
+    def _check_update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Raise `CacheInputError` unless the pair can be appended (the first fixes the groups)."""
+        self._fp.check(key_states, value_states, self._name)
+        if not key_states.is_floating_point():
+            raise CacheInputError(f"{self._name}.update takes floating-point keys/values, got {key_states.dtype}")
+        if self._fp.keys is None:
+            group = groups_of(key_states.shape[3], self.group_size)
+            groups_of(value_states.shape[3], self.group_size)
+            self._group = group
 
     def _first_visible(self) -> int:
         return 0
@@ -195,19 +200,28 @@ class QuantizedLayer(CacheLayer):
         values are quantized per channel (a block is quantized from all its tokens)."""
         return position // self.residual * self.residual if any(self._per_channel) else position
 
+    def _held(self, i: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Views of the quantized data and parameters of keys (`i` 0) or values (1) that hold
+        positions `[start, stop)`, and the position they start at: `start`, or its block's start when
+        quantized per channel (a window may start inside a block: it is dequantized whole)."""
+        first = self._block_floor(start) if self._per_channel[i] else start
+        back = self._quantized - first
+        return self._q.span(i, back, stop - first), self._p.span(i, back, stop - first), first
+
+    def _dequantize_held(self, i: int, data: torch.Tensor, params: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Quantized keys (`i` 0) or values (1) as `_held` gives them (whole blocks per channel),
+        or several such concatenated along tokens, in `dtype`."""
+        if self._per_channel[i]:
+            return dequantize_channels(data, params, self.bits, self.residual, dtype)
+        return dequantize(data, params, self.bits, self._group, dtype)
+
     def _dequantize(self, i: int, start: int, stop: int, out: torch.Tensor) -> None:
         """Quantized keys (`i` 0) or values (1) of positions `[start, stop)` into `out`."""
         bits, dtype, block = self.bits, out.dtype, self.residual
-
-        def held(first: int) -> tuple[torch.Tensor, torch.Tensor]:
-            n = self._quantized - first
-            return self._q.tail(n)[i].narrow(2, 0, stop - first), self._p.tail(n)[i].narrow(2, 0, stop - first)
-
+        data, params, first = self._held(i, start, stop)
         if not self._per_channel[i]:
-            dequantize(*held(start), bits, self._group, dtype, out=out)
+            dequantize(data, params, bits, self._group, dtype, out=out)
             return
-        first = self._block_floor(start)  # a window may start inside a block: it is dequantized whole
-        data, params = held(first)
         if first < start:
             head = dequantize_channels(data[:, :, :block], params[:, :, :block], bits, block, dtype)
             out[:, :, : first + block - start].copy_(head[:, :, start - first :])

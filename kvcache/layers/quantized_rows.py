@@ -10,14 +10,16 @@ padding may still lie ahead (`skip`): the first tokens fed to that row are then 
 over, so an empty layer takes a left-padded prompt as it comes. Forwards are cut at every row's
 own block boundaries (`forward_cuts`), as a lone row's are at its own.
 
-A decode step costs one small update per row; joins and leaves move whole row layers, no copy.
+A decode step appends and quantizes per row and dequantizes every row's quantized part in one pass;
+joins and leaves move whole row layers, no copy.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from typing_extensions import Self
@@ -34,6 +36,68 @@ def _counts(value: Any, name: str) -> list[int]:
                                               for n in value):  # fmt: skip
         raise CacheInputError(f"QuantizedRows: {name} must be a list of non-negative ints, got {value!r}"[:200])
     return list(value)
+
+
+class _Taken(NamedTuple):
+    """A row that took tokens in an update: what it returns, positions `[start, longest)`, goes to
+    slots from `slot` of the batch's output, the part before `seen` dequantized."""
+
+    b: int
+    row: QuantizedLayer
+    slot: int
+    start: int
+    seen: int
+
+
+def _lay_out(taken: list[_Taken], keys: torch.Tensor, values: torch.Tensor) -> None:
+    """What `QuantizedLayer._assemble` returns for each row that took tokens, written into the
+    batch's keys and values: every row's quantized part dequantized in one pass (the same values
+    as row by row: the dequantizers are elementwise), joined with the rows' full-precision parts
+    and placed with one indexed write. A constant number of kernels per layer, not a dozen per
+    row, is what makes a served batch's decode step affordable."""
+    if not taken:
+        return
+    like = taken[0].row
+    for i, out in enumerate((keys, values)):
+        data, params, fps, places, fp_places, at, fp_at = [], [], [], [], [], 0, 0
+        for b, row, slot, start, seen in taken:
+            split, longest = max(seen, start), row._longest()
+            if split > start:
+                held, held_params, first = row._held(i, start, split)
+                data.append(held)
+                params.append(held_params)
+                places.append((b, slot, at + start - first, split - start))
+                at += split - first
+            if longest > split:
+                fps.append(row._fp.span(i, longest - split, longest - split))
+                fp_places.append((b, slot + split - start, fp_at, longest - split))
+                fp_at += longest - split
+        if data:
+            joined = [torch.cat(parts, 2) if len(parts) > 1 else parts[0] for parts in (data, params)]
+            fps.insert(0, like._dequantize_held(i, *joined, out.dtype))
+        source = torch.cat(fps, 2) if len(fps) > 1 else fps[0]
+        placed = (*places, *((b, slot, at + src, n) for b, slot, src, n in fp_places))
+        rows, slots, picks = _placement(placed, out.device)
+        out[rows, :, slots] = (source[0] if picks is None else source[0].index_select(1, picks)).transpose(0, 1)
+
+
+@functools.lru_cache(maxsize=8)
+def _placement(places: tuple[tuple[int, int, int, int], ...],
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """For runs `(row, first slot, first source token, count)`: the row and slot each source token
+    goes to and the source tokens picked (None: all, in order), as index tensors on `device`
+    (cached: a step's layers share them; built from the runs on the device, no host wait)."""
+    runs = torch.tensor(places, dtype=torch.long).T
+    cuda = device.type == "cuda"
+    runs = runs.pin_memory().to(device, non_blocking=True) if cuda else runs.to(device)
+    total = sum(n for *_, n in places)
+    counts = runs[3]
+    within = torch.arange(total, device=device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts,
+                                                                          output_size=total)  # fmt: skip
+    rows, slots, picks = (torch.repeat_interleave(runs[k], counts, output_size=total) for k in range(3))
+    ends = [src + n for _, _, src, n in places]
+    in_order = places[0][2] == 0 and all(src == end for (_, _, src, _), end in zip(places[1:], ends, strict=False))
+    return rows, slots + within, None if in_order else picks + within
 
 
 @register_layer
@@ -159,14 +223,20 @@ class QuantizedRows(CacheLayer):
         keys = key_states.new_zeros(batch, heads, length, key_states.shape[3])
         values = value_states.new_zeros(batch, heads, length, value_states.shape[3])
         passed = [min(ahead, query) for ahead in self.skip]
-        for b, row in enumerate(self.rows):
-            if passed[b] == query:
-                continue
-            row_keys, row_values = row.update(key_states[b : b + 1, :, passed[b] :],
-                                              value_states[b : b + 1, :, passed[b] :])  # fmt: skip
-            first = starts[b] - offset  # type: ignore[operator]
-            keys[b, :, first : first + row_keys.shape[2]] = row_keys[0]
-            values[b, :, first : first + row_values.shape[2]] = row_values[0]
+        fed = [(b, key_states[b : b + 1, :, n:], value_states[b : b + 1, :, n:]) for b, n in enumerate(passed)
+               if n < query]  # fmt: skip
+        for b, row_keys, row_values in fed:  # every row checked before any changes
+            self.rows[b]._check_update(row_keys, row_values)
+        taken = []
+        for b, row_keys, row_values in fed:  # as `QuantizedLayer.update` does, up to its `_assemble`
+            row = self.rows[b]
+            visible, seen = row._first_visible(), row._quantized
+            row._fp.append(row_keys, row_values)
+            row._quantize()
+            taken.append(_Taken(b, row, starts[b] - offset, visible, seen))  # type: ignore[operator]
+        _lay_out(taken, keys, values)
+        for took in taken:
+            took.row._evict()
         self.skip = [ahead - n for ahead, n in zip(self.skip, passed, strict=True)]
         return keys, values
 
