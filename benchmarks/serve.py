@@ -15,6 +15,8 @@ first token on a prefix-store hit.
    directory and Redis stores, against one forward of the same prompt with no store, on an
    otherwise idle server (every store's writer has finished the earlier samples' chunks before a
    sample starts; its own chunks are written while it runs). Target: <= 1.2x for every backend.
+4. Quantized serving: the load of 1. at 8 clients on the server and on one started with
+   `--kv-bits 4`, rounds alternated (no target: what int4 costs in speed on this machine).
 
     python benchmarks/serve.py [--quick]
 """
@@ -41,11 +43,13 @@ SIZES = {"smoke": (8, 16, 1, 2), "quick": (16, 24, 1, 2), "full": (48, 64, 3, 9)
 WORDS = ("value", "name", "object", "method", "class", "list", "module", "type", "key", "file", "string", "error")
 
 
-def _server(tmp: Path) -> Any:
+def _server(tmp: Path, *extra: str) -> Any:
+    """`kvcache serve` on the bundled model, one torch thread, started with `extra` arguments."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from serve_kit import ServeProcess  # the tests' server process: a free port, a bounded start
 
-    return ServeProcess("--threads", "1", "--max-prompt-tokens", "16384").start(tmp / "stderr.log")
+    log = tmp / f"stderr{len(list(tmp.glob('stderr*.log')))}.log"
+    return ServeProcess("--threads", "1", "--max-prompt-tokens", "16384", *extra).start(log)
 
 
 def _complete(url: str, prompt: str, new: int) -> tuple[str, int]:
@@ -215,6 +219,27 @@ def cold_store_table(mode: str, url: str = "") -> tuple[Table, list[Target], dic
     return table, targets, {"cold_prompt_s": t}
 
 
+def quantized_table(mode: str, url: str, quantized_url: str) -> tuple[Table, list[Target], dict[str, Any]]:
+    """The same 8-client load on the server and on one started with `--kv-bits 4`, alternated."""
+    count, new, rounds, _ = SIZES[mode]
+    rng = random.Random(2)
+    prompts = [f"The {rng.choice(WORDS)} of the {rng.choice(WORDS)} is {i} " for i in range(count)]
+    samples: dict[str, list[float]] = {"full precision": [], "--kv-bits 4": []}
+    for _ in range(rounds):
+        for name, at in (("full precision", url), ("--kv-bits 4", quantized_url)):
+            with client_pool(8) as pool:
+                start = time.perf_counter()
+                results = list(pool.map(lambda p, at=at: _complete(at, p, new), prompts))
+            samples[name].append(sum(n for _, n in results) / (time.perf_counter() - start))
+    t = {k: Timing.of(v) for k, v in samples.items()}
+    base = t["full precision"].median
+    table = Table(f"Quantized serving: {count} greedy requests of {new} tokens, 8 clients", ["server", ":tokens/s",
+                  ":/ full precision"])  # fmt: skip
+    for name, timing in t.items():
+        table.add(name, timing.cell(scale=1, digits=0), f"{timing.median / base:.2f}x")
+    return table, [], {"quantized_tokens_per_second": t}
+
+
 def serve_scenario(mode: str) -> Section:
     section = Section("serve", "11. kvcache serve: concurrent requests and prefix-store hits",
                       (__doc__ or "").split("\n\n")[1])  # fmt: skip
@@ -226,6 +251,13 @@ def serve_scenario(mode: str) -> Section:
                 section.tables.append(table)
                 section.targets += targets
                 section.figures[build.__name__] = figures
+            quantized = _server(Path(tmp), "--kv-bits", "4")
+            try:
+                table, targets, figures = quantized_table(mode, server.url, quantized.url)
+                section.tables.append(table)
+                section.figures["quantized_table"] = figures
+            finally:
+                quantized.terminate()
         finally:
             server.terminate()
     return section
