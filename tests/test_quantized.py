@@ -19,7 +19,7 @@ from crop_kit import crop_at_random
 from kvcache import CacheInputError, RollbackError
 from kvcache.cache import Cache
 from kvcache.layers.quant import dequantize, dequantize_channels, quantize, quantize_channels
-from kvcache.layers.quantized import QuantizedLayer
+from kvcache.layers.quantized import QuantizedLayer, quantize_due
 from kvcache.layers.quantized_sliding import QuantizedSlidingWindowLayer
 from kvcache.persistence import load_cache, save_cache
 
@@ -267,3 +267,27 @@ def test_bytes_held_per_token():
             assert sum(held[k].nbytes for k in ("keys_q", "params_k")) == 4096 * 2 * 64 * key
             assert sum(held[k].nbytes for k in ("values_q", "params_v")) == 4096 * 2 * 64 * value
             assert held["keys"].shape[2] == 12  # the block being filled
+
+
+@pytest.mark.parametrize("groups", [("channel", "channel"), ("channel", "token"), ("token", "token")])
+def test_quantizing_several_layers_blocks_together_gives_each_what_it_gives_alone(groups: tuple[str, str]) -> None:
+    """`quantize_due` (one call for the keys and values of many rows' new blocks, as a served
+    batch's step and every update quantize) against `quantize_channels`/`quantize` called on each
+    piece alone: the same codes and parameters, bit for bit, whatever was quantized alongside
+    (pieces of one to three blocks, values of another head_dim, a float32 piece among float64)."""
+    gen = torch.Generator().manual_seed(11)
+    like = QuantizedLayer(4, 32, residual=8, key_groups=groups[0], value_groups=groups[1])
+    like.update(torch.zeros(1, 2, 1, 64, dtype=torch.float64), torch.zeros(1, 2, 1, 64, dtype=torch.float64))
+    dues = []
+    for blocks, value_dim, dtype in ((1, 64, torch.float64), (3, 32, torch.float64), (2, 64, torch.float32),
+                                     (1, 64, torch.float64)):  # fmt: skip
+        keys = torch.randn(1, 2, 8 * blocks, 64, generator=gen, dtype=torch.float64).to(dtype) * 3 + 1
+        values = torch.randn(1, 2, 8 * blocks, value_dim, generator=gen, dtype=torch.float64).to(dtype)
+        dues.append((keys, values))
+    for (keys, values), got in zip(dues, quantize_due(like, dues), strict=True):
+        alone = []
+        for x, kind in ((keys, groups[0]), (values, groups[1])):
+            alone.extend(quantize_channels(x, 4, 8) if kind == "channel" else quantize(x, 4, 32))
+        assert len(got) == 4
+        for a, b in zip(got, alone, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b)

@@ -60,6 +60,26 @@ def _check_residual(residual: Any) -> int:
     return residual
 
 
+def quantize_due(like: QuantizedLayer, dues: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, ...]]:
+    """`(data_k, params_k, data_v, params_v)` for each `(keys, values)` of `dues` (what layers of
+    `like`'s parameters must quantize now), quantized in one call per grouping, dtype and shape
+    rather than two per layer: a call's cost is mostly its ~80 small operations, and a group's
+    codes do not depend on the groups quantized with it (`quant`), so the results are the same."""
+    pieces = [(0, k) for k, _ in dues] + [(1, v) for _, v in dues]
+    batches: dict[tuple[Any, ...], list[int]] = {}
+    for n, (i, x) in enumerate(pieces):
+        batches.setdefault((like._per_channel[i], x.dtype, x.shape[:2], x.shape[3]), []).append(n)
+    out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(pieces)
+    for (per_channel, *_), members in batches.items():
+        tensors = [pieces[n][1] for n in members]
+        data, params = like._quantize_part(torch.cat(tensors, 2) if len(tensors) > 1 else tensors[0], per_channel)
+        sizes = [t.shape[2] for t in tensors]
+        for n, d, p in zip(members, data.split(sizes, 2), params.split(sizes, 2), strict=True):
+            out[n] = (d, p)
+    half = len(dues)
+    return [(*out[n], *out[half + n]) for n in range(half)]  # type: ignore[misc]
+
+
 @register_layer
 class QuantizedLayer(CacheLayer):
     """Every key/value seen, quantized to `bits` (8, 4 or 2) by blocks of `residual` tokens, except
@@ -156,21 +176,32 @@ class QuantizedLayer(CacheLayer):
         self._evict()
 
     def _quantize(self) -> None:
+        due = self._due()
+        if due is not None:
+            self._take(*quantize_due(self, [due])[0])
+
+    def _due(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The full-precision keys and values the lengths say must be quantized now (views), or
+        None; with nothing to quantize, the count moves on at once (a window passed the tokens)."""
         target = self._target(self._shortest())
         if target <= self._quantized:
-            return
+            return None
         begin = max(self._quantized, self._fp_start)
         if begin > max(self._quantized, self._q_start):  # tokens before `begin` left every window unquantized
             self._q, self._p = KVBuffer(), KVBuffer()
             self._q_start = begin
-        if target > begin:
-            lo, hi = begin - self._fp_start, target - self._fp_start
-            keys, values = (t.narrow(2, lo, hi - lo) for t in self._fp.tail(len(self._fp)))
-            qk, pk = self._quantize_part(keys, self._per_channel[0])
-            qv, pv = self._quantize_part(values, self._per_channel[1])
-            self._q.append(qk, qv)
-            self._p.append(pk, pv)
-        self._quantized = target
+        if target <= begin:
+            self._quantized = target
+            return None
+        lo, hi = begin - self._fp_start, target - self._fp_start
+        keys, values = (t.narrow(2, lo, hi - lo) for t in self._fp.tail(len(self._fp)))
+        return keys, values
+
+    def _take(self, qk: torch.Tensor, pk: torch.Tensor, qv: torch.Tensor, pv: torch.Tensor) -> None:
+        """Hold the quantized form of what `_due` gave (copied: the arguments may be views)."""
+        self._q.append(qk, qv)
+        self._p.append(pk, pv)
+        self._quantized = max(self._quantized, self._fp_start) + qk.shape[2]  # (where `_due` began)
 
     @property
     def forward_block(self) -> int:  # type: ignore[override]

@@ -28,7 +28,7 @@ from ..errors import CacheInputError
 from ..validation import check_move, check_query_length
 from .base import LAYER_REGISTRY, CacheLayer, register_layer
 from .dynamic import record_past_flag
-from .quantized import QuantizedLayer
+from .quantized import QuantizedLayer, quantize_due
 
 
 def _counts(value: Any, name: str) -> list[int]:
@@ -227,13 +227,17 @@ class QuantizedRows(CacheLayer):
                if n < query]  # fmt: skip
         for b, row_keys, row_values in fed:  # every row checked before any changes
             self.rows[b]._check_update(row_keys, row_values)
-        taken = []
+        taken, due = [], []
         for b, row_keys, row_values in fed:  # as `QuantizedLayer.update` does, up to its `_assemble`
             row = self.rows[b]
             visible, seen = row._first_visible(), row._quantized
             row._fp.append(row_keys, row_values)
-            row._quantize()
+            if (tokens := row._due()) is not None:
+                due.append((row, tokens))
             taken.append(_Taken(b, row, starts[b] - offset, visible, seen))  # type: ignore[operator]
+        if due:  # every row's new blocks quantized together
+            for (row, _), quantized in zip(due, quantize_due(due[0][0], [t for _, t in due]), strict=True):
+                row._take(*quantized)
         _lay_out(taken, keys, values)
         for took in taken:
             took.row._evict()
