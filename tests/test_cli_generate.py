@@ -222,7 +222,9 @@ def test_prefix_store_reuses_the_prompt_and_prints_the_same_text(stand_in_model,
 
 def test_store_locations_a_user_gets_wrong_are_one_line_errors(stand_in_model, capsys, tmp_path: Path) -> None:
     """A file given as a store directory, a URL of an unknown scheme (no directory named `http:` is
-    made), `kvcache store` on a path that does not exist (none is made), a budget of 0 named by its
+    made), `kvcache store` on a path that does not exist (none is made) or on a directory that is
+    not a store (nothing is written into it), `--draft-tokens` without the draft model it is for
+    (it would be ignored), a budget of 0 named by its
     flag; `--clear` says what it removed."""
     afile = tmp_path / "sys.txt"
     afile.write_text("not a directory")
@@ -233,7 +235,10 @@ def test_store_locations_a_user_gets_wrong_are_one_line_errors(stand_in_model, c
         (("generate", PROMPT, "--prefix-store", str(tmp_path / "s"), "--prefix-store-bytes", "0"),
          "--prefix-store-bytes must be a positive int"),
         (("store", str(tmp_path / "missing")), "does not exist"),
+        (("store", str(tmp_path)), "holds no index.sqlite"),
+        (("store", str(afile)), "is a file, not a directory"),
         (("store", "http://host/0"), "unknown prefix store URL scheme"),
+        (("generate", PROMPT, "--draft-tokens", "4"), "--draft-tokens sets the draft length of --draft-model"),
     ]
     for argv, words in cases:
         code = main(list(argv))

@@ -50,7 +50,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, draft_model: bool) -
                             help="speculative decoding with this transformers directory as the draft model (same "
                             "tokenizer as --model); greedy output is the same, sampled output follows the same "
                             "distribution")
-        parser.add_argument("--draft-tokens", type=int, default=DEFAULT_DRAFT_TOKENS, metavar="K",
+        parser.add_argument("--draft-tokens", type=int, default=None, metavar="K",
                             help=f"draft tokens per step of --draft-model (default {DEFAULT_DRAFT_TOKENS})")
 
 
@@ -65,9 +65,14 @@ def check_model_arguments(args: argparse.Namespace) -> None:
                                    ("--draft-model", bool(getattr(args, "draft_model", None)))) if on]  # fmt: skip
     if len(given) > 1:
         raise GenerationError(f"{' and '.join(given)} are alternatives: give one")
+    if getattr(args, "draft_tokens", None) is not None and not getattr(args, "draft_model", None):
+        raise GenerationError("--draft-tokens sets the draft length of --draft-model: give --draft-model DIR too "
+                              "(--prompt-lookup K and --suffix-draft K take their own)")  # fmt: skip
     if getattr(args, "draft_model", None):
         if not args.model:
             raise GenerationError("--draft-model drafts for a --model DIR (the bundled model has no draft model)")
+        if args.draft_tokens is None:
+            args.draft_tokens = DEFAULT_DRAFT_TOKENS
         if args.draft_tokens < 1:
             raise GenerationError(f"--draft-tokens must be >= 1, got {args.draft_tokens}")
 

@@ -233,8 +233,9 @@ def open_store(
     create: bool = True, key: bytes | None = None,
 ) -> PrefixStore:  # fmt: skip
     """A store at `where`: a Redis URL ("redis://host:port/db", "redis+cluster://host:port") or a
-    directory path (created when missing, unless `create=False`). Any other URL scheme is a
-    `CacheInputError`; so is a bad budget, before anything is created."""
+    directory path (created when missing; with `create=False`, only a directory that holds a
+    store's index is opened, so nothing is written into one that is not a store). Any other URL
+    scheme is a `CacheInputError`; so is a bad budget, before anything is created."""
     from .directory import DirectoryBackend
     from .location import kind_of_location
     from .redis_backend import RedisBackend
@@ -244,8 +245,9 @@ def open_store(
     if kind_of_location(where) == "redis":
         backend: Backend = RedisBackend(where, strict=strict)
     else:
-        if not create and not os.path.isdir(where):
-            what = "is a file, not a directory" if os.path.exists(where) else "does not exist"
+        if not create and not os.path.isfile(os.path.join(where, "index.sqlite")):
+            what = ("is a file, not a directory" if os.path.isfile(where) else "holds no index.sqlite"
+                    if os.path.isdir(where) else "does not exist")  # fmt: skip
             raise CacheInputError(f"no prefix store at {where!r}: it {what}")
         backend = DirectoryBackend(where, strict=strict)
     return PrefixStore(chunk_size=chunk_size, max_bytes=max_bytes, namespace=namespace, backend=backend, key=key)
