@@ -101,6 +101,13 @@ def check_row_lengths(lengths: Any, batch_size: int | None, longest: int, who: s
     return lengths
 
 
+def check_flag(value: Any, name: str) -> bool:
+    """A bool (a string such as "false" would otherwise read as true)."""
+    if not isinstance(value, bool):
+        raise CacheInputError(f"{name} must be True or False, got {value!r}"[:200])
+    return value
+
+
 def check_repeats(repeats: Any) -> int:
     """A `batch_repeat_interleave` argument: a positive int."""
     if not _is_int(repeats) or repeats < 1:

@@ -29,6 +29,7 @@ from kvcache import (
     StaticLayer,
     save_cache,
 )
+from kvcache.layers import QuantizedLayer, QuantizedRows
 
 
 def kv(n: int = 2, batch: int = 2, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,3 +270,29 @@ def test_every_public_method_with_arbitrary_values(target: str, data: st.DataObj
     args = data.draw(st.lists(VALUES, min_size=0, max_size=3), "args")
     subject, cache = build(kind, state)
     call_and_check(subject, cache, method, args)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "sliding", "static", "recurrent", "hybrid", "quantized", "quantized rows"])
+@pytest.mark.parametrize("state", STATES)
+def test_record_past_takes_only_a_bool(kind: str, state: str) -> None:
+    """`layer.record_past = "false"` (or 1, or None) is refused in every state, the layer unchanged:
+    any truthy value started recording before, so the string "false" turned recording on."""
+    if kind.startswith("quantized"):
+        layer = QuantizedLayer(4, 32, residual=4)
+        if state == "recording":
+            layer.activate_past_recording()
+        if state != "empty":
+            layer.update(*kv(6, batch=1))
+        if kind == "quantized rows":
+            layer = QuantizedRows([layer], [0])
+    else:
+        layer = _layer(kind, state)
+    cache = Cache([layer])
+    for value in ("false", 1, None, torch.tensor(True)):
+        before, recording = snapshot(cache), layer.record_past
+        with pytest.raises(CacheInputError, match="record_past must be True or False"):
+            layer.record_past = value
+        assert_unchanged(before, snapshot(cache))
+        assert layer.record_past is recording
+    layer.record_past = True
+    assert layer.record_past is True

@@ -10,7 +10,7 @@ import torch
 from typing_extensions import Self
 
 from ..errors import CacheInputError, RollbackError
-from ..validation import check_batch_index, check_move, check_repeats, crop_amount, row_crop_amounts
+from ..validation import check_batch_index, check_flag, check_move, check_repeats, crop_amount, row_crop_amounts
 
 #: Every concrete layer class by its name. Loading a file builds only classes found here.
 LAYER_REGISTRY: dict[str, type[CacheLayer]] = {}
@@ -85,7 +85,7 @@ class CacheLayer(ABC):
 
     @record_past.setter
     def record_past(self, value: bool) -> None:
-        if value:
+        if check_flag(value, "record_past"):
             self.activate_past_recording()
         elif self._recording:
             self._commit()

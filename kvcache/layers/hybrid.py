@@ -9,6 +9,7 @@ import torch
 from typing_extensions import Self
 
 from ..errors import CacheInputError
+from ..validation import check_flag
 from .base import LAYER_REGISTRY, CacheLayer, register_layer
 
 
@@ -98,6 +99,7 @@ class HybridLayer(CacheLayer):
 
     @record_past.setter
     def record_past(self, value: bool) -> None:
+        check_flag(value, "record_past")
         self.attention.record_past = value
         self.recurrent.record_past = value
         self._recording = bool(value)

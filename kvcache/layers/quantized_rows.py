@@ -25,7 +25,7 @@ import torch
 from typing_extensions import Self
 
 from ..errors import CacheInputError
-from ..validation import check_move, check_query_length
+from ..validation import check_flag, check_move, check_query_length
 from .base import LAYER_REGISTRY, CacheLayer, register_layer
 from .dynamic import record_past_flag
 from .quantized import QuantizedLayer, quantize_due
@@ -272,6 +272,7 @@ class QuantizedRows(CacheLayer):
 
     @record_past.setter
     def record_past(self, value: bool) -> None:
+        check_flag(value, "record_past")
         for row in self.rows:
             row.record_past = value
         self._recording = bool(value)
