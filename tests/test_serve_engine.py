@@ -699,3 +699,41 @@ def test_the_engine_fingerprints_its_model_once(bundled, monkeypatch) -> None:
     assert len(calls) == 1
     assert all(r.session.root == store.identity(model).root for r in requests)
     assert store.lookup(prompts[0], model)[0] == 32  # what the engine stored is found by a fresh session
+
+
+def test_logprobs_of_accepted_drafts_come_from_their_verify_positions(bundled) -> None:
+    """A request that asks for log probabilities under speculation: every token's (drafted and
+    accepted, or the verify forward's own choice) is the model's at that position, within float64
+    rounding of one forward over prompt and answer (another forward shape: not bit for bit), with
+    the top 2; rows that do not ask get bare tokens. Drafts were fed and accepted (forwards wider
+    than one token, fewer steps than tokens)."""
+    from kvcache.serve.logprobs import TokenLogprobs
+
+    model, tokenizer = bundled
+    prompts = [prompt_ids(tokenizer, i, 60) for i in range(4)]
+    counting = CountingModel(model)
+    engine = Engine(counting, PrefixStore(chunk_size=16), eos=[], speculative=4, draft_schedule="constant")
+    engine.start()
+    try:
+        requests = [Request(prompt=p, max_tokens=24, sampling=Sampling(False), logprobs=2 if i else None)
+                    for i, p in enumerate(prompts)]  # fmt: skip
+        outcomes = run_requests(engine, requests)
+    finally:
+        engine.stop()
+    assert any(shape[1] > 1 for shape in counting.fed[1:]) and len(counting.fed) < 24 + len(prompts)
+    for request, outcome in zip(requests, outcomes, strict=True):
+        given = [event[1] for event in outcome.events if event[0] == "token"]
+        if request.logprobs is None:
+            assert given == request.tokens
+            continue
+        assert [t.token for t in given] == request.tokens == alone(model, request.prompt, 24)
+        ids = torch.tensor([request.prompt + request.tokens])
+        with torch.no_grad():
+            logits = model(ids, cache=model.new_cache(), position_ids=torch.arange(ids.shape[1])[None])
+        expected = logits[0, len(request.prompt) - 1 : -1].log_softmax(-1)
+        for position, entry in enumerate(given):
+            assert isinstance(entry, TokenLogprobs) and len(entry.top) == 2
+            assert abs(entry.logprob - float(expected[position, entry.token])) < 1e-9
+            values, best = expected[position].topk(2)
+            assert [i for i, _ in entry.top] == best.tolist()
+            assert all(abs(v - float(w)) < 1e-9 for (_, v), w in zip(entry.top, values, strict=True))

@@ -32,6 +32,7 @@ from ..generation.detokenize import Detokenizer
 from ..generation.sampling import Sampling
 from .engine import Engine, Request
 from .events import asyncio_sink
+from .logprobs import TokenLogprobs, chat_logprobs, completion_logprobs
 from .schema import ApiError, Limits, Params, chat_params, completion_params, parse_json
 from .served import ServedModel
 
@@ -42,14 +43,24 @@ DISCONNECT_POLL_S = 0.1
 class Completion:
     """One request's tokens turned into text as they arrive, stop strings applied."""
 
-    def __init__(self, served: ServedModel, engine: Engine, request: Request, stops: list[str]) -> None:
-        self.served, self.engine, self.request, self.stops = served, engine, request, stops
+    def __init__(self, served: ServedModel, engine: Engine, request: Request, stops: list[str],
+                 chat: bool = False) -> None:  # fmt: skip
+        self.served, self.engine, self.request, self.stops, self.chat = served, engine, request, stops, chat
         self.queue: asyncio.Queue = asyncio.Queue()
         request.on_event = asyncio_sink(asyncio.get_running_loop(), self.queue)
         self.finish_reason: str | None = None
         self.text = ""
         self.tokens: list[int] = []  # as the events brought them: the engine may be a step ahead
+        self.logprobs: list[TokenLogprobs] = []  # the tokens' log probabilities, when the request asked
+        self._offset = (0, 0)  # (tokens shaped so far, their text's length), for completions' text_offset
         self.detokenizer = Detokenizer(served.decode)
+
+    def _take(self, value: int | TokenLogprobs) -> int:
+        """A token event's token (and its log probabilities, kept)."""
+        if isinstance(value, TokenLogprobs):
+            self.logprobs.append(value)
+            return value.token
+        return value
 
     async def deltas(self) -> AsyncIterator[str]:
         """The new text after each token (possibly empty pieces are skipped); `finish_reason` is
@@ -62,7 +73,7 @@ class Completion:
                 fresh = []
                 # tokens that came together make one piece (a stop string is looked for token by token)
                 while kind == "token" and not self.stops and not self.queue.empty():
-                    fresh.append(value)
+                    fresh.append(self._take(value))
                     kind, value = self.queue.get_nowait()
                 self.tokens += fresh
                 if kind == "error":
@@ -76,8 +87,9 @@ class Completion:
                     if sent < len(self.text):
                         yield self.text[sent:]
                     return
-                self.tokens.append(value)
-                text = self.detokenizer.add([*fresh, value])
+                token = self._take(value)
+                self.tokens.append(token)
+                text = self.detokenizer.add([*fresh, token])
                 cut = min((i for s in self.stops if (i := text.find(s, max(0, sent - len(s)))) >= 0), default=-1)
                 if cut >= 0:
                     self.text, self.finish_reason = text[:cut], "stop"
@@ -94,6 +106,21 @@ class Completion:
         finally:
             if self.finish_reason is None:
                 self.request.cancel()  # the client went away (or the stream was closed): the row leaves
+
+    def logprobs_since(self, start: int) -> dict[str, Any]:
+        """The `logprobs` object (chat's or completions') of the completion's tokens from `start` on:
+        the tokens `usage` counts (to a stop string's last token)."""
+        given = self.logprobs[start : len(self.tokens)]
+        if self.request.logprobs is None or len(given) < len(self.tokens) - start:
+            raise ApiError(500, "the engine sent no log probabilities for a token")
+        if self.chat:
+            return chat_logprobs(given, self.served.decode)
+        done, offset = self._offset  # where the previous call's tokens ended: a stream asks in order
+        if done != start:
+            offset = sum(len(self.served.decode([t])) for t in self.tokens[:start])
+        shaped = completion_logprobs(given, self.served.decode, offset)
+        self._offset = (len(self.tokens), offset + sum(map(len, shaped["tokens"])))
+        return shaped
 
     def usage(self) -> dict[str, Any]:
         """OpenAI's usage: the completion's tokens are those up to where it ended (a stop string's
@@ -148,8 +175,9 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
             raise ApiError(429, "the server is busy: too many requests are waiting, retry later")
         sampling = Sampling(params.temperature > 0, params.temperature or 1.0, params.top_k, params.top_p,
                             params.min_p)
-        request = Request(prompt=prompt, max_tokens=params.max_tokens, sampling=sampling, seed=params.seed)
-        completion = Completion(served, engine, request, params.stop)
+        request = Request(prompt=prompt, max_tokens=params.max_tokens, sampling=sampling, seed=params.seed,
+                          logprobs=params.logprobs)  # fmt: skip
+        completion = Completion(served, engine, request, params.stop, chat=params.messages is not None)
         metrics.prompt_tokens.inc(len(prompt))
         engine.submit(request)
         return completion
@@ -178,7 +206,7 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
                 "model": served.name}  # fmt: skip
         if params.stream:
-            return StreamingResponse(_events(completion, head, chat, params.include_usage),
+            return StreamingResponse(_events(completion, head, chat, params.include_usage, params.logprobs is not None),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})  # fmt: skip
         watcher = asyncio.create_task(_watch(http, completion))
         try:
@@ -186,10 +214,11 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
         finally:
             watcher.cancel()
         choice: dict[str, Any] = {"index": 0, "finish_reason": completion.finish_reason}
+        logprobs = completion.logprobs_since(0) if params.logprobs is not None else None
         if chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice.update(message={"role": "assistant", "content": text}, logprobs=logprobs)
         else:
-            choice.update(text=text, logprobs=None)
+            choice.update(text=text, logprobs=logprobs)
         kind = "chat.completion" if chat else "text_completion"
         return JSONResponse({**head, "object": kind, "choices": [choice], "usage": completion.usage()})
 
@@ -273,18 +302,26 @@ async def _watch(http: HttpRequest, completion: Completion) -> None:
         await asyncio.sleep(DISCONNECT_POLL_S)
 
 
-async def _events(completion: Completion, head: dict[str, Any], chat: bool, include_usage: bool) -> AsyncIterator[str]:
-    """The SSE stream of one completion, as OpenAI sends it, ending with `data: [DONE]`."""
+async def _events(completion: Completion, head: dict[str, Any], chat: bool, include_usage: bool,
+                  logprobs: bool = False) -> AsyncIterator[str]:  # fmt: skip
+    """The SSE stream of one completion, as OpenAI sends it, ending with `data: [DONE]`. With
+    `logprobs`, a chunk carries those of the tokens taken since the previous chunk (a token whose
+    text is still held back, as the start of a stop string may be, comes before its text)."""
     kind = "chat.completion.chunk" if chat else "text_completion"
+    reported = 0
 
     def chunk(delta: str | None, finish: str | None, first: bool = False) -> str:
+        nonlocal reported
+        given = None
+        if logprobs and not first and len(completion.tokens) > reported:
+            given, reported = completion.logprobs_since(reported), len(completion.tokens)
         if chat:
             piece: dict[str, Any] = {} if delta is None else {"content": delta}
             if first:
                 piece = {"role": "assistant", "content": ""}
-            choice = {"index": 0, "delta": piece, "finish_reason": finish}
+            choice = {"index": 0, "delta": piece, "logprobs": given, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": delta or "", "logprobs": given, "finish_reason": finish}
         usage = {"usage": None} if include_usage else {}  # OpenAI's chunks say null until the last
         return f"data: {json.dumps({**head, 'object': kind, 'choices': [choice], **usage})}\n\n"
 

@@ -44,6 +44,7 @@ from ..store.payloads import model_module, storable
 from . import prefill
 from . import rows as batch_rows
 from .events import BatchedSink
+from .logprobs import token_logprobs
 from .metrics import Metrics
 from .speculation import can_speculate, speculative_step
 
@@ -64,6 +65,7 @@ class Request:
     sampling: Sampling
     seed: int | None = None
     stop_ids: frozenset[int] = frozenset()
+    logprobs: int | None = None  # tokens come with their log probabilities and this many alternatives
     id: str = ""
     on_event: Callable[[tuple[str, Any]], None] = lambda event: None
     created: float = field(default_factory=time.monotonic)
@@ -311,7 +313,7 @@ class Engine:
         if self.speculative:
             request.drafter = self._new_drafter()
             request.drafter.start(request.prompt, device=self.device)
-        self._emit(request, self._choose(request, logits))
+        self._emit(request, self._choose(request, logits), logits)
         if request.finish_reason is None:
             self._ready.append(request)
 
@@ -363,7 +365,7 @@ class Engine:
                 fed = request.pending
                 request.session.advance([fed], self.row_capture(b))
                 self._emit(request, self._choose(request, logits[b : b + 1]) if request.sampling.do_sample
-                           else greedy[b])  # fmt: skip
+                           else greedy[b], logits[b])  # fmt: skip
             except Exception as exc:  # this row's own failure (its sampling, its store path): it alone ends
                 self._fail(request, exc)
             if request.finish_reason is None:
@@ -393,8 +395,9 @@ class Engine:
             return int(scores.argmax(-1))
         return int(torch.multinomial(scores.softmax(-1), 1, generator=request.generator))
 
-    def _emit(self, request: Request, token: int) -> None:
-        """Hand `token` to the request; decide whether it is done (an end token, `max_tokens`)."""
+    def _emit(self, request: Request, token: int, scores: torch.Tensor | None = None) -> None:
+        """Hand `token` to the request (with its log probabilities under `scores`, the logits it was
+        chosen from, when the request asks); decide whether it is done (an end token, `max_tokens`)."""
         now = time.monotonic()
         if request.first_token_at is None:
             request.first_token_at = now
@@ -402,7 +405,8 @@ class Engine:
         request.tokens.append(token)
         request.pending = token
         self.metrics.generated_tokens.inc()
-        self._send(request, ("token", token))
+        asked = request.logprobs is not None and scores is not None
+        self._send(request, ("token", token_logprobs(scores, token, request.logprobs) if asked else token))
         if token in self.eos or token in request.stop_ids:
             self._finish(request, "stop")
         elif len(request.tokens) >= request.max_tokens:

@@ -4,7 +4,9 @@ Every bad request is an `ApiError`: the status (400 for a malformed or out-of-ra
 without the API key, 404 for another model or path, 413 for a body too large, 429 when the queue
 is full) and OpenAI's error JSON, `{"error": {"message", "type", "param", "code"}}`, never a
 traceback. Fields OpenAI defines that this server does not implement are accepted only at their
-neutral value (`n=1`, `logprobs` off, penalties 0, ...); unknown fields are refused.
+neutral value (`n=1`, `echo` off, penalties 0, ...); unknown fields are refused. Log
+probabilities are returned as OpenAI shapes them: chat's `logprobs: true` with `top_logprobs`
+alternatives (0 to `MAX_LOGPROBS`), completions' `logprobs: k` (the chosen token and the top k).
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ class ApiError(Exception):
 
 
 #: Fields accepted only at these values (OpenAI defines them; this server does not implement them).
-#: Each lists every value that means "off" (chat's `logprobs` is a boolean, completions' a count).
+#: Each lists every value that means "off".
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (None, False), "top_logprobs": (None, 0),
+    "n": (1,), "best_of": (1,), "echo": (False,),
     "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": (None, {}), "suffix": (None, ""),
     "tools": (None, []), "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
     "parallel_tool_calls": (None,)}  # fmt: skip
@@ -37,7 +39,10 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
 IGNORED = {"user", "metadata", "store", "service_tier"}
 #: Temperatures above 0 and below this decode greedily (dividing logits by less overflows them).
 GREEDY_BELOW = 1e-5
-COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options"}
+#: The most alternatives a token's log probabilities list (`top_logprobs`, completions' `logprobs`).
+MAX_LOGPROBS = 20
+COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options",
+          "logprobs", "top_logprobs"}  # fmt: skip
 COMPLETION_FIELDS = COMMON | {"prompt"} | set(NEUTRAL) | IGNORED
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"} | set(NEUTRAL) | IGNORED
 
@@ -66,6 +71,7 @@ class Params:
     stream: bool = False
     include_usage: bool = False
     messages: list[dict[str, str]] | None = None
+    logprobs: int | None = None  # None: no log probabilities; k: the chosen token's and the top k
 
 
 #: JSON nested deeper than this is refused (a request needs 4 levels; Python's parser recurses).
@@ -178,6 +184,12 @@ def _common(body: dict[str, Any], allowed: set[str], model: str, limits: Limits,
 
 def completion_params(body: dict[str, Any], model: str, limits: Limits) -> Params:
     params = _common(body, COMPLETION_FIELDS, model, limits, "max_tokens")
+    if body.get("top_logprobs") not in (None, 0) or isinstance(body.get("top_logprobs"), bool):
+        raise ApiError(400, "top_logprobs is a chat field: a completion takes logprobs: k (the top k)",
+                       param="top_logprobs")  # fmt: skip
+    count = body.get("logprobs")
+    if count is not None and count is not False:  # false: off, as null
+        params.logprobs = _integer(count, "logprobs", 0, MAX_LOGPROBS)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -191,6 +203,13 @@ def completion_params(body: dict[str, Any], model: str, limits: Limits) -> Param
 
 def chat_params(body: dict[str, Any], model: str, limits: Limits) -> Params:
     params = _common(body, CHAT_FIELDS, model, limits, "max_completion_tokens")
+    wanted, top = body.get("logprobs"), body.get("top_logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise ApiError(400, f"logprobs must be a boolean, got {wanted!r}", param="logprobs")
+    top = 0 if top is None else _integer(top, "top_logprobs", 0, MAX_LOGPROBS)
+    if top and not wanted:  # as OpenAI answers it
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    params.logprobs = top if wanted else None
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list", param="messages")

@@ -95,8 +95,8 @@ def speculative_step(engine: Any) -> None:
     keep = []
     for b, (request, draft, (accepted, emitted)) in enumerate(zip(rows, drafts, verdicts, strict=True)):
         request.session.advance([request.pending, *draft.tokens[:accepted]], engine.row_capture(b))
-        for token in emitted:
-            engine._emit(request, token)
+        for j, token in enumerate(emitted):  # token j was chosen from the verify forward's position j
+            engine._emit(request, token, logits[b, j])
             if request.finish_reason is not None:
                 break
         if type(request.drafter).accept is not Drafter.accept:  # a draft model drops what was rejected

@@ -1,0 +1,156 @@
+"""`kvcache serve` log probabilities (`logprobs`), through the official `openai` client, against
+an independent reference: the bundled model (float64, as the server runs it) reading the prompt
+and the answer in one forward, `log_softmax` at each answer position. The server computed each
+token's in another forward (a prefill, a batch's decode step), so the two agree within float64
+rounding (1e-9 here), not bit for bit. Under speculation: `test_serve_engine.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import httpx
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+from serve_kit import ServeProcess  # noqa: E402
+
+from kvcache.models import load_default_model  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+MODEL = "kvcache-default"
+TOLERANCE = 1e-9
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    process = ServeProcess("--dtype", "float64", "--threads", "1")
+    process.start(tmp_path_factory.mktemp("serve") / "stderr.log")
+    yield process
+    assert process.terminate() == 0, process.log()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """`logp(prompt, answer)`: `[len(answer tokens), vocab]` log probabilities of each answer
+    position, and the tokenizer."""
+    model, tokenizer = load_default_model(dtype=torch.float64)
+
+    def logp(prompt: str, answer: str) -> torch.Tensor:
+        head, tail = tokenizer.encode(prompt), tokenizer.encode(answer)
+        ids = torch.tensor([head + tail])
+        with torch.no_grad():
+            logits = model(ids, cache=model.new_cache(), position_ids=torch.arange(ids.shape[1])[None])
+        return logits[0, len(head) - 1 : ids.shape[1] - 1].log_softmax(-1)
+
+    return logp, tokenizer
+
+
+def client(server: ServeProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def check_chat(content: list, text: str, expected: torch.Tensor, tokenizer, top: int, greedy: bool = True) -> None:
+    """Chat `logprobs.content` against the reference: one entry per token of `text`, each token's
+    log probability and its `top` alternatives (most likely first) as the reference has them."""
+    assert "".join(entry.token for entry in content) == text and len(content) == expected.shape[0]
+    for position, entry in enumerate(content):
+        token = tokenizer.encode(entry.token)[0]
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+        assert math.isclose(entry.logprob, float(expected[position, token]), abs_tol=TOLERANCE)
+        values, ids = expected[position].topk(top)
+        assert [tokenizer.encode(alt.token)[0] for alt in entry.top_logprobs] == ids.tolist()
+        pairs = zip(entry.top_logprobs, values, strict=True)
+        assert all(math.isclose(alt.logprob, float(v), abs_tol=TOLERANCE) for alt, v in pairs)
+        if greedy:
+            assert token == int(expected[position].argmax())
+
+
+def test_chat_logprobs_equal_the_models_distribution_whole_and_streamed(server, reference) -> None:
+    logp, tokenizer = reference
+    c = client(server)
+    messages = [{"role": "user", "content": "What is a list?"}]
+    whole = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0, logprobs=True,
+                                      top_logprobs=3)  # fmt: skip
+    text = whole.choices[0].message.content
+    expected = logp("User: What is a list?\nAssistant:", text)
+    check_chat(whole.choices[0].logprobs.content, text, expected, tokenizer, 3)
+    stream = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0, logprobs=True,
+                                       top_logprobs=3, stream=True)  # fmt: skip
+    pieces, content = [], []
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            content += chunk.choices[0].logprobs.content
+    assert "".join(pieces) == text
+    check_chat(content, text, expected, tokenizer, 3)
+    plain = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == text
+
+
+def test_completion_logprobs_count_the_tokens_usage_counts(server, reference) -> None:
+    """Completions' `logprobs: k`: tokens, their log probabilities, the top k as a mapping and the
+    text offsets; cut by a stop string, one entry per token `usage` counts (the stop's last
+    token included), streamed or whole alike."""
+    logp, tokenizer = reference
+    c = client(server)
+    prompt = "The value of the "
+    full = c.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0, logprobs=2)
+    text, given = full.choices[0].text, full.choices[0].logprobs
+    expected = logp(prompt, text)
+    assert "".join(given.tokens) == text and given.text_offset == list(range(len(text)))
+    for position, (token, value, top) in enumerate(zip(given.tokens, given.token_logprobs, given.top_logprobs,
+                                                       strict=True)):  # fmt: skip
+        assert math.isclose(value, float(expected[position, tokenizer.encode(token)[0]]), abs_tol=TOLERANCE)
+        values, ids = expected[position].topk(2)
+        assert list(top) == [tokenizer.decode([i]) for i in ids.tolist()]
+        pairs = zip(ids.tolist(), values, strict=True)
+        assert all(math.isclose(top[tokenizer.decode([i])], float(v), abs_tol=TOLERANCE) for i, v in pairs)
+    stop = text[10:12]
+    for stream in (False, True):
+        answer = c.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0, logprobs=0, stop=stop,
+                                      stream=stream, **({"stream_options": {"include_usage": True}} if stream else {}))
+        if stream:
+            chunks = list(answer)
+            cut = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+            given_in = [ch.choices[0].logprobs for ch in chunks if ch.choices and ch.choices[0].logprobs]
+            tokens = [t for g in given_in for t in g.tokens]
+            offsets = [o for g in given_in for o in g.text_offset]
+            used = chunks[-1].usage.completion_tokens
+        else:
+            cut, tokens = answer.choices[0].text, answer.choices[0].logprobs.tokens
+            offsets, used = answer.choices[0].logprobs.text_offset, answer.usage.completion_tokens
+        assert cut == text[: text.find(stop)] and len(tokens) == used and "".join(tokens).startswith(cut + stop)
+        assert offsets == list(range(len(tokens)))
+
+
+def test_sampled_tokens_carry_the_models_own_log_probabilities(server, reference) -> None:
+    """At temperature 1.5 with a seed: each token's log probability is the model's (before the
+    temperature), whichever token was drawn, and the alternatives are still the model's top ones."""
+    logp, tokenizer = reference
+    answer = client(server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                    max_tokens=20, temperature=1.5, seed=5, logprobs=True,
+                                                    top_logprobs=2)  # fmt: skip
+    text = answer.choices[0].message.content
+    check_chat(answer.choices[0].logprobs.content, text, logp("User: Hi\nAssistant:", text), tokenizer, 2,
+               greedy=False)  # fmt: skip
+
+
+def test_logprob_requests_out_of_range_are_400s(server) -> None:
+    cases = [("/v1/chat/completions", {"logprobs": 1}, "logprobs must be a boolean"),
+             ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
+             ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs must be in [0, 20]"),
+             ("/v1/completions", {"logprobs": 21}, "logprobs must be in [0, 20]"),
+             ("/v1/completions", {"logprobs": True}, "logprobs must be an integer"),
+             ("/v1/completions", {"logprobs": 1, "top_logprobs": 1}, "top_logprobs is a chat field")]  # fmt: skip
+    for path, extra, words in cases:
+        body = {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"}
+        answer = httpx.post(server.url + path, content=json.dumps({**body, **extra}).encode(), timeout=30,
+                            headers={"content-type": "application/json"})  # fmt: skip
+        assert answer.status_code == 400 and words in answer.json()["error"]["message"], (extra, answer.text)
