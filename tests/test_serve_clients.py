@@ -76,7 +76,7 @@ def test_neutral_values_are_accepted_and_others_refused(server, alone) -> None:
                                      presence_penalty=0.0, n=1)  # fmt: skip
     assert chat.choices[0].message.content == want
     for extra, words in (({"logprobs": 1}, "logprobs"), ({"response_format": {"type": "json_object"}}, "response"),
-                         ({"n": True}, "n=True")):  # fmt: skip
+                         ({"n": True}, "n must be an integer")):  # fmt: skip
         body = {"messages": [{"role": "user", "content": "Hi"}], **extra}
         answer = post(server, "/v1/chat/completions", json.dumps(body).encode())
         assert answer.status_code == 400 and words in answer.json()["error"]["message"], answer.text

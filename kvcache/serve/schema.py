@@ -4,7 +4,7 @@ Every bad request is an `ApiError`: the status (400 for a malformed or out-of-ra
 without the API key, 404 for another model or path, 413 for a body too large, 429 when the queue
 is full) and OpenAI's error JSON, `{"error": {"message", "type", "param", "code"}}`, never a
 traceback. Fields OpenAI defines that this server does not implement are accepted only at their
-neutral value (`n=1`, `echo` off, penalties 0, ...); unknown fields are refused. Log
+neutral value (`best_of=1`, `echo` off, penalties 0, ...); unknown fields are refused. Log
 probabilities are returned as OpenAI shapes them: chat's `logprobs: true` with `top_logprobs`
 alternatives (0 to `MAX_LOGPROBS`), completions' `logprobs: k` (the chosen token and the top k).
 """
@@ -31,7 +31,7 @@ class ApiError(Exception):
 #: Fields accepted only at these values (OpenAI defines them; this server does not implement them).
 #: Each lists every value that means "off".
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "best_of": (1,), "echo": (False,),
+    "best_of": (1,), "echo": (False,),
     "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": (None, {}), "suffix": (None, ""),
     "tools": (None, []), "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
     "parallel_tool_calls": (None,)}  # fmt: skip
@@ -41,8 +41,10 @@ IGNORED = {"user", "metadata", "store", "service_tier"}
 GREEDY_BELOW = 1e-5
 #: The most alternatives a token's log probabilities list (`top_logprobs`, completions' `logprobs`).
 MAX_LOGPROBS = 20
+#: The most choices one request asks for: its prompts (a completion may send a list) times `n`.
+MAX_CHOICES = 64
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options",
-          "logprobs", "top_logprobs"}  # fmt: skip
+          "logprobs", "top_logprobs", "n"}  # fmt: skip
 COMPLETION_FIELDS = COMMON | {"prompt"} | set(NEUTRAL) | IGNORED
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"} | set(NEUTRAL) | IGNORED
 
@@ -58,9 +60,10 @@ class Limits:
 
 @dataclass
 class Params:
-    """A checked request: the prompt (text, or token ids) and the generation parameters."""
+    """A checked request: its prompts (texts, or token ids; a chat's one, once its template is
+    applied) and the generation parameters; `n` answers to each prompt."""
 
-    prompt: str | list[int]
+    prompts: list[str | list[int]]
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
@@ -72,6 +75,7 @@ class Params:
     include_usage: bool = False
     messages: list[dict[str, str]] | None = None
     logprobs: int | None = None  # None: no log probabilities; k: the chosen token's and the top k
+    n: int = 1
 
 
 #: JSON nested deeper than this is refused (a request needs 4 levels; Python's parser recurses).
@@ -176,7 +180,9 @@ def _common(body: dict[str, Any], allowed: set[str], model: str, limits: Limits,
     top_k = body.get("top_k")
     top_k = 0 if top_k is None or top_k == -1 else _integer(top_k, "top_k", 0, 1 << 31)
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    return Params(prompt="", max_tokens=max_tokens, temperature=0.0 if temperature < GREEDY_BELOW else temperature,
+    n = 1 if body.get("n") is None else _integer(body["n"], "n", 1, MAX_CHOICES)
+    return Params(prompts=[], max_tokens=max_tokens, n=n,
+                  temperature=0.0 if temperature < GREEDY_BELOW else temperature,
                   top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), top_k=top_k,
                   min_p=_number(body, "min_p", 0.0, 0.0, 1.0), seed=seed, stop=stops,
                   stream=stream, include_usage=bool(options.get("include_usage", False)))  # fmt: skip
@@ -191,14 +197,21 @@ def completion_params(body: dict[str, Any], model: str, limits: Limits) -> Param
     if count is not None and count is not False:  # false: off, as null
         params.logprobs = _integer(count, "logprobs", 0, MAX_LOGPROBS)
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    ids = isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    if ids or (isinstance(prompt, str) and prompt):
-        params.prompt = prompt
-    else:
-        raise ApiError(400, "prompt must be a non-empty string (or one list of token ids)", param="prompt")
+    prompts = prompt if isinstance(prompt, list) and prompt and not _token_ids(prompt) else [prompt]
+    if not all((isinstance(p, str) and p) or _token_ids(p) for p in prompts):
+        raise ApiError(400, "prompt must be a non-empty string, a list of token ids, or a non-empty list of either",
+                       param="prompt")  # fmt: skip
+    if len(prompts) * params.n > MAX_CHOICES:
+        raise ApiError(400, f"{len(prompts)} prompt(s) times n={params.n} is more than the {MAX_CHOICES} choices a "
+                       "request may ask for", param="n")  # fmt: skip
+    params.prompts = prompts
     return params
+
+
+def _token_ids(value: Any) -> bool:
+    """A non-empty list of ints (one prompt's token ids)."""
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
 def chat_params(body: dict[str, Any], model: str, limits: Limits) -> Params:

@@ -1,14 +1,17 @@
-"""`kvcache serve` log probabilities (`logprobs`), through the official `openai` client, against
-an independent reference: the bundled model (float64, as the server runs it) reading the prompt
-and the answer in one forward, `log_softmax` at each answer position. The server computed each
-token's in another forward (a prefill, a batch's decode step), so the two agree within float64
-rounding (1e-9 here), not bit for bit. Under speculation: `test_serve_engine.py`.
+"""`kvcache serve` answers beyond one text, through the official `openai` client: several choices
+(`n`, a completion's list of prompts), each what the same request alone gives, and log
+probabilities (`logprobs`) against an independent reference: the bundled model (float64, as
+the server runs it) reading the prompt and the answer in one forward, `log_softmax` at each
+answer position. The server computed each token's in another forward (a prefill, a batch's
+decode step), so the two agree within float64 rounding (1e-9 here), not bit for bit. Under
+speculation: `test_serve_engine.py`.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import time
 
 import httpx
 import pytest
@@ -154,3 +157,61 @@ def test_logprob_requests_out_of_range_are_400s(server) -> None:
         answer = httpx.post(server.url + path, content=json.dumps({**body, **extra}).encode(), timeout=30,
                             headers={"content-type": "application/json"})  # fmt: skip
         assert answer.status_code == 400 and words in answer.json()["error"]["message"], (extra, answer.text)
+
+
+def test_several_prompts_and_n_choices_each_equal_their_request_alone(server, reference) -> None:
+    """A completion's list of prompts (texts or token ids) times `n`: the choices in prompt order,
+    `n` per prompt, each greedy text what the prompt alone gives, whole and streamed; usage counts
+    each prompt once and every choice's tokens."""
+    _, tokenizer = reference
+    c = client(server)
+    prompts = ["The value of the ", "A list is ", "When the module "]
+    alone = [c.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0).choices[0].text for p in prompts]
+    answer = c.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=12, temperature=0)
+    assert [ch.index for ch in answer.choices] == list(range(6))
+    assert [ch.text for ch in answer.choices] == [a for a in alone for _ in range(2)]
+    prompt_tokens = sum(len(tokenizer.encode(p)) for p in prompts)
+    assert answer.usage.prompt_tokens == prompt_tokens and answer.usage.completion_tokens == 6 * 12
+    by_ids = c.completions.create(model=MODEL, prompt=[tokenizer.encode(p) for p in prompts[:2]], max_tokens=12,
+                                  temperature=0)  # fmt: skip
+    assert [ch.text for ch in by_ids.choices] == alone[:2]
+    streamed: dict[int, str] = {}
+    finished: dict[int, str] = {}
+    chunks = list(c.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=12, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}))  # fmt: skip
+    for chunk in chunks:
+        for ch in chunk.choices:
+            streamed[ch.index] = streamed.get(ch.index, "") + ch.text
+            if ch.finish_reason:
+                finished[ch.index] = ch.finish_reason
+    assert [streamed[i] for i in range(6)] == [a for a in alone for _ in range(2)]
+    assert finished == dict.fromkeys(range(6), "length") and chunks[-1].usage.completion_tokens == 6 * 12
+
+
+def test_n_seeded_chat_samples_are_the_requests_seeded_one_by_one(server) -> None:
+    """Chat `n: 3` with a seed: choice j is what one request seeded `seed + j` samples."""
+    c = client(server)
+    messages = [{"role": "user", "content": "What is a key?"}]
+    answer = c.chat.completions.create(model=MODEL, messages=messages, n=3, max_tokens=20, temperature=1.2, seed=7)
+    one_by_one = [c.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=1.2,
+                                            seed=7 + j).choices[0].message.content for j in range(3)]  # fmt: skip
+    assert [ch.message.content for ch in answer.choices] == one_by_one and len(set(one_by_one)) > 1
+
+
+def generated(server: ServeProcess) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    counts = [line.split()[1] for line in text.splitlines() if line.startswith("kvcache_generated_tokens_total")]
+    return float(counts[0])
+
+
+def test_a_client_that_leaves_a_stream_of_several_choices_cancels_every_row(server) -> None:
+    """Every row of the answer leaves the batch: far fewer tokens decoded than its 4 x 4,000."""
+    before = generated(server)
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=30,
+                      json={"prompt": "The value of the ", "n": 4, "max_tokens": 4000, "stream": True}) as answer:
+        assert answer.status_code == 200
+        next(answer.iter_lines())
+    deadline = time.monotonic() + 60
+    while server.health()["running"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert server.health()["running"] == 0 and generated(server) - before < 4000

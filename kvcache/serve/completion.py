@@ -1,0 +1,231 @@
+"""The choices of an answer (`n` per prompt; a completion may send several prompts): each
+request's tokens turned into text, stop strings applied (the text that could still become one is
+held back while streaming), and the answer assembled whole or streamed as OpenAI sends it. A
+client that disconnects cancels every row of its answer; a failed row ends the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request as HttpRequest
+
+from ..generation.detokenize import Detokenizer
+from .engine import Request
+from .events import asyncio_sink
+from .logprobs import TokenLogprobs, chat_logprobs, completion_logprobs
+from .schema import ApiError
+from .served import ServedModel
+
+#: How often a non-streamed answer checks whether its client is still there (seconds).
+DISCONNECT_POLL_S = 0.1
+
+
+class Completion:
+    """One choice: its request's tokens turned into text as they arrive, stop strings applied.
+    `index`: the choice's place in the answer; `counts_prompt`: whether its prompt counts in the
+    answer's usage (the first of the `n` choices of a prompt)."""
+
+    def __init__(self, served: ServedModel, engine: Any, request: Request, stops: list[str], *,
+                 chat: bool = False, index: int = 0, counts_prompt: bool = True) -> None:  # fmt: skip
+        self.served, self.engine, self.request, self.stops, self.chat = served, engine, request, stops, chat
+        self.index, self.counts_prompt = index, counts_prompt
+        self.queue: asyncio.Queue = asyncio.Queue()
+        request.on_event = asyncio_sink(asyncio.get_running_loop(), self.queue)
+        self.finish_reason: str | None = None
+        self.text = ""
+        self.tokens: list[int] = []  # as the events brought them: the engine may be a step ahead
+        self.logprobs: list[TokenLogprobs] = []  # the tokens' log probabilities, when the request asked
+        self._offset = (0, 0)  # (tokens shaped so far, their text's length), for completions' text_offset
+        self.detokenizer = Detokenizer(served.decode)
+
+    def _take(self, value: int | TokenLogprobs) -> int:
+        """A token event's token (and its log probabilities, kept)."""
+        if isinstance(value, TokenLogprobs):
+            self.logprobs.append(value)
+            return value.token
+        return value
+
+    async def deltas(self) -> AsyncIterator[str]:
+        """The new text after each token (possibly empty pieces are skipped); `finish_reason` is
+        set when it ends."""
+        holdback = max((len(s) for s in self.stops), default=1) - 1
+        sent = 0
+        try:
+            while True:
+                kind, value = await self.queue.get()
+                fresh = []
+                # tokens that came together make one piece (a stop string is looked for token by token)
+                while kind == "token" and not self.stops and not self.queue.empty():
+                    fresh.append(self._take(value))
+                    kind, value = self.queue.get_nowait()
+                self.tokens += fresh
+                if kind == "error":
+                    raise ApiError(500, f"generation failed: {value}")
+                if kind == "unavailable":
+                    raise ApiError(503, str(value))
+                if kind == "done":
+                    self.finish_reason = "stop" if value == "stop" else "length" if value == "length" else value
+                    self.detokenizer.add(fresh)
+                    self.text = self.detokenizer.finish()
+                    if sent < len(self.text):
+                        yield self.text[sent:]
+                    return
+                token = self._take(value)
+                self.tokens.append(token)
+                text = self.detokenizer.add([*fresh, token])
+                cut = min((i for s in self.stops if (i := text.find(s, max(0, sent - len(s)))) >= 0), default=-1)
+                if cut >= 0:
+                    self.text, self.finish_reason = text[:cut], "stop"
+                    self.engine.finish_early(self.request)
+                    if sent < cut:
+                        yield text[sent:cut]
+                    return
+                safe = len(text) - holdback
+                if text.endswith("\ufffd"):  # an incomplete multi-byte character
+                    safe = min(safe, len(text) - 1)
+                if safe > sent:
+                    yield text[sent:safe]
+                    sent = safe
+        finally:
+            if self.finish_reason is None:
+                self.request.cancel()  # the client went away (or the stream was closed): the row leaves
+
+    def logprobs_since(self, start: int) -> dict[str, Any]:
+        """The `logprobs` object (chat's or completions') of the completion's tokens from `start` on:
+        the tokens `usage` counts (to a stop string's last token)."""
+        given = self.logprobs[start : len(self.tokens)]
+        if self.request.logprobs is None or len(given) < len(self.tokens) - start:
+            raise ApiError(500, "the engine sent no log probabilities for a token")
+        if self.chat:
+            return chat_logprobs(given, self.served.decode)
+        done, offset = self._offset  # where the previous call's tokens ended: a stream asks in order
+        if done != start:
+            offset = sum(len(self.served.decode([t])) for t in self.tokens[:start])
+        shaped = completion_logprobs(given, self.served.decode, offset)
+        self._offset = (len(self.tokens), offset + sum(map(len, shaped["tokens"])))
+        return shaped
+
+
+def usage(choices: list[Completion]) -> dict[str, Any]:
+    """OpenAI's usage of an answer: each prompt once, every choice's tokens up to where it ended
+    (a stop string's last token included), not the ones the engine decoded before it heard of
+    the stop."""
+    prompt = sum(len(c.request.prompt) for c in choices if c.counts_prompt)
+    completion = sum(len(c.tokens) for c in choices)
+    cached = sum(c.request.cached_tokens for c in choices if c.counts_prompt)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+
+
+async def whole(http: HttpRequest, choices: list[Completion], chat: bool, logprobs: bool) -> list[dict[str, Any]]:
+    """The answer's choices, each whole, decoded side by side; the first failure ends them all."""
+
+    async def text(choice: Completion) -> str:
+        return "".join([piece async for piece in choice.deltas()])
+
+    tasks = [asyncio.create_task(text(c)) for c in choices]
+    watcher = asyncio.create_task(_watch(http, choices))
+    try:
+        texts = await asyncio.gather(*tasks)
+    finally:
+        watcher.cancel()
+        for task in tasks:
+            task.cancel()  # (after a failure: the other rows leave the batch)
+    out = []
+    for choice, content in zip(choices, texts, strict=True):
+        shaped: dict[str, Any] = {"index": choice.index, "finish_reason": choice.finish_reason}
+        given = choice.logprobs_since(0) if logprobs else None
+        if chat:
+            shaped.update(message={"role": "assistant", "content": content}, logprobs=given)
+        else:
+            shaped.update(text=content, logprobs=given)
+        out.append(shaped)
+    return out
+
+
+async def _watch(http: HttpRequest, choices: list[Completion]) -> None:
+    """Cancel a non-streamed answer's rows when its client went away."""
+    while any(c.finish_reason is None for c in choices):
+        if await http.is_disconnected():
+            for choice in choices:
+                choice.request.cancel()
+            return
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+async def stream(choices: list[Completion], head: dict[str, Any], chat: bool, include_usage: bool,
+                 logprobs: bool = False) -> AsyncIterator[str]:  # fmt: skip
+    """The SSE stream of an answer, as OpenAI sends it, ending with `data: [DONE]`: each choice's
+    chunks (named by their `index`) as they come; after the first failure, its error alone. With
+    `logprobs`, a chunk carries those of the tokens taken since the choice's previous chunk (a
+    token whose text is still held back, as the start of a stop string may be, comes before its
+    text)."""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    parts = [_chunks(c, head, kind, chat, include_usage, logprobs) for c in choices]
+    if len(parts) == 1:
+        async for line, failed in parts[0]:
+            yield line
+            if failed:
+                return
+    else:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(part: AsyncIterator[tuple[str, bool]]) -> None:
+            try:
+                async for item in part:
+                    queue.put_nowait(item)
+            finally:
+                queue.put_nowait(None)
+
+        tasks = [asyncio.create_task(pump(part)) for part in parts]
+        try:
+            running = len(tasks)
+            while running:
+                item = await queue.get()
+                if item is None:
+                    running -= 1
+                    continue
+                yield item[0]
+                if item[1]:
+                    return
+        finally:
+            for task in tasks:
+                task.cancel()  # (a client gone, or a failure: every row leaves the batch)
+    if include_usage:
+        yield f"data: {json.dumps({**head, 'object': kind, 'choices': [], 'usage': usage(choices)})}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+async def _chunks(choice: Completion, head: dict[str, Any], kind: str, chat: bool, include_usage: bool,
+                  logprobs: bool) -> AsyncIterator[tuple[str, bool]]:  # fmt: skip
+    """One choice's SSE lines, each with whether it reports a failure (the stream's last)."""
+    reported = 0
+
+    def chunk(delta: str | None, finish: str | None, first: bool = False) -> str:
+        nonlocal reported
+        given = None
+        if logprobs and not first and len(choice.tokens) > reported:
+            given, reported = choice.logprobs_since(reported), len(choice.tokens)
+        if chat:
+            piece: dict[str, Any] = {} if delta is None else {"content": delta}
+            if first:
+                piece = {"role": "assistant", "content": ""}
+            shaped = {"index": choice.index, "delta": piece, "logprobs": given, "finish_reason": finish}
+        else:
+            shaped = {"index": choice.index, "text": delta or "", "logprobs": given, "finish_reason": finish}
+        usage = {"usage": None} if include_usage else {}  # OpenAI's chunks say null until the last
+        return f"data: {json.dumps({**head, 'object': kind, 'choices': [shaped], **usage})}\n\n"
+
+    if chat:
+        yield chunk(None, None, first=True), False
+    try:
+        async for piece in choice.deltas():
+            yield chunk(piece, None), False
+    except ApiError as err:
+        yield f"data: {json.dumps(err.body())}\n\n", True
+        return
+    yield chunk(None, choice.finish_reason), False
