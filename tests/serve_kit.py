@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -106,6 +107,16 @@ class ServeProcess:
 
     def log(self) -> str:
         return self.stderr_path.read_text() if self.stderr_path else ""
+
+
+def module_server(tmp_path_factory, *args: str) -> Iterator[ServeProcess]:
+    """A module's server (the body of a module-scoped fixture): the bundled model in float64 on
+    one thread (batched and single-row kernels then agree far below any logit gap), `args` more;
+    its exit status checked when the module is done."""
+    process = ServeProcess("--dtype", "float64", "--threads", "1", *args)
+    process.start(tmp_path_factory.mktemp("serve") / "stderr.log")
+    yield process
+    assert process.terminate() == 0, process.log()
 
 
 def _rss(pid: int) -> int:

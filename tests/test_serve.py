@@ -28,7 +28,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-from serve_kit import ServeProcess, tiny_model_dir  # noqa: E402
+from serve_kit import ServeProcess, module_server, tiny_model_dir  # noqa: E402
 
 from kvcache.generation import generate  # noqa: E402
 from kvcache.models import load_default_model  # noqa: E402
@@ -56,10 +56,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    process = ServeProcess("--dtype", "float64", "--threads", "1")
-    process.start(tmp_path_factory.mktemp("serve") / "stderr.log")
-    yield process
-    assert process.terminate() == 0, process.log()
+    yield from module_server(tmp_path_factory)
 
 
 def client(server: ServeProcess, key: str = "unused") -> openai.OpenAI:

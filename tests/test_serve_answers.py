@@ -21,7 +21,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-from serve_kit import ServeProcess  # noqa: E402
+from serve_kit import ServeProcess, module_server  # noqa: E402
 
 from kvcache.models import load_default_model  # noqa: E402
 
@@ -32,10 +32,7 @@ TOLERANCE = 1e-9
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    process = ServeProcess("--dtype", "float64", "--threads", "1")
-    process.start(tmp_path_factory.mktemp("serve") / "stderr.log")
-    yield process
-    assert process.terminate() == 0, process.log()
+    yield from module_server(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
