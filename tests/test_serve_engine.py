@@ -18,7 +18,7 @@ from kvcache.generation import generate
 from kvcache.generation.sampling import Sampling
 from kvcache.layers.sliding import SlidingWindowLayer
 from kvcache.models import load_default_model
-from kvcache.serve.engine import Engine, Request
+from kvcache.serve.engine import IDLE_STEP_TOKENS, Engine, Request
 from kvcache.store import PrefixStore, open_store
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -80,33 +80,56 @@ class CountingModel:
 
     def __init__(self, model) -> None:
         self.inner, self.fed = model, []
+        self.engine: Engine | None = None  # when set: `busy` notes, per forward, whether rows were decoding
+        self.busy: list[bool] = []
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     def __call__(self, ids, **kwargs):
         self.fed.append(tuple(ids.shape))
+        if self.engine is not None:
+            self.busy.append(bool(self.engine._rows or self.engine._ready))
         return self.inner(ids, **kwargs)
 
 
 @pytest.mark.parametrize("budget", [16, 100, 512])
 def test_answers_equal_each_prompt_alone_under_every_budget(bundled, budget: int) -> None:
-    """Prompts of 10 to 300 tokens arriving together: each forward feeds at most the budget (a
-    first block at least a chunk), prefill blocks end on chunk boundaries unless they end the
-    prompt, and every greedy answer equals its prompt decoded alone."""
+    """Prompts of 10 to 300 tokens arriving together: each forward while rows decode feeds at
+    most the budget (a first block at least a chunk), one while none does at most the idle
+    budget, prefill blocks end on chunk boundaries unless they end the prompt, and every greedy
+    answer equals its prompt decoded alone."""
     model, tokenizer = bundled
     counting = CountingModel(model)
     store = PrefixStore(chunk_size=16)
     engine = Engine(counting, store, eos=[], max_step_tokens=budget)
+    counting.engine = engine
     prompts = [prompt_ids(tokenizer, i, n) for i, n in enumerate((10, 47, 300, 129, 64))]
     requests, outcomes = serve_greedy(engine, prompts, 12)
     for prompt, request, outcome in zip(prompts, requests, outcomes, strict=True):
         assert outcome.events[-1] == ("done", "length")
         assert request.tokens == alone(model, prompt, 12)
-    prefill_shapes = [s for s in counting.fed if s[0] == 1 and s[1] > 1]
-    assert prefill_shapes and all(s[1] <= max(budget, 16) for s in prefill_shapes)
+    prefills = [(s, busy) for s, busy in zip(counting.fed, counting.busy, strict=True) if s[0] == 1 and s[1] > 1]
+    assert prefills and any(busy for _, busy in prefills)
+    assert all(s[1] <= max(budget, 16 if busy else IDLE_STEP_TOKENS) for s, busy in prefills)
     if budget >= 300:  # the longest prompt went in one block, not in chunks
-        assert (1, 300) in prefill_shapes
+        assert (1, 300) in [s for s, _ in prefills]
+
+
+def test_a_cold_prompt_while_nothing_decodes_is_one_forward(bundled) -> None:
+    """With no row decoding, nothing waits on a long block: a lone cold 1,000-token prompt is fed
+    in one forward (the default budget would cut it in four), every chunk of it stored, and the
+    answer equals the prompt decoded alone."""
+    model, tokenizer = bundled
+    counting = CountingModel(model)
+    store = PrefixStore(chunk_size=16)
+    prompt = prompt_ids(tokenizer, 7, 1000)
+    requests, outcomes = serve_greedy(Engine(counting, store, eos=[]), [prompt], 4)
+    assert outcomes[0].events[-1] == ("done", "length")
+    assert requests[0].tokens == alone(model, prompt, 4)
+    assert [s for s in counting.fed if s[1] > 1] == [(1, 1000)]
+    matched, _ = store.lookup(prompt, counting)  # the engine's model: the store keys what it serves
+    assert matched == 1000 // 16 * 16
 
 
 def test_block_prefill_stores_every_boundary_as_the_forward_computed_it(bundled) -> None:
