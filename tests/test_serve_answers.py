@@ -212,3 +212,104 @@ def test_a_client_that_leaves_a_stream_of_several_choices_cancels_every_row(serv
     while server.health()["running"] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert server.health()["running"] == 0 and generated(server) - before < 4000
+
+
+@pytest.fixture(scope="module")
+def scorer():
+    """`score(ids)`: `[len(ids) - 1, vocab]` log probabilities of each prompt position after the
+    first, from one forward over the whole prompt (float64, as the server runs the model)."""
+    model, tokenizer = load_default_model(dtype=torch.float64)
+
+    def score(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids]), cache=model.new_cache(), position_ids=torch.arange(len(ids))[None])
+        return logits[0, :-1].log_softmax(-1)
+
+    return score, tokenizer
+
+
+def check_echoed(given, ids: list[int], expected: torch.Tensor, tokenizer, top: int) -> None:
+    """The prompt's part of an echoed completion's `logprobs`: its first token has none, each later
+    one the reference's log probability and its top alternatives."""
+    n = len(ids)
+    assert given.tokens[:n] == [tokenizer.decode([t]) for t in ids]
+    assert given.token_logprobs[0] is None and given.top_logprobs[0] is None
+    assert given.text_offset[:n] == list(range(n))  # (one character a token here)
+    for i in range(1, n):
+        assert math.isclose(given.token_logprobs[i], float(expected[i - 1, ids[i]]), abs_tol=TOLERANCE)
+        values, alternatives = expected[i - 1].topk(top)
+        assert list(given.top_logprobs[i]) == [tokenizer.decode([a]) for a in alternatives.tolist()]
+        pairs = zip(alternatives.tolist(), values, strict=True)
+        assert all(math.isclose(given.top_logprobs[i][tokenizer.decode([a])], float(v), abs_tol=TOLERANCE)
+                   for a, v in pairs)  # fmt: skip
+
+
+def test_echo_returns_the_prompt_and_its_log_probabilities_before_the_answer(server, scorer) -> None:
+    """`echo` with `logprobs` (what lm-eval's completions backend sends to score a text: token ids,
+    `max_tokens` 0 or 1): the text is the prompt's then the answer's, the log probabilities the
+    prompt's (from one forward over it, the first token's null) then the answer's, whole and
+    streamed alike; `usage` counts the answer's tokens only."""
+    score, tokenizer = scorer
+    c = client(server)
+    text = "The value of the list is"
+    ids = tokenizer.encode(text)
+    expected = score(ids)
+    for prompt in (text, ids):
+        for max_tokens in (0, 1, 6):
+            answer = c.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, echo=True,
+                                          logprobs=2)  # fmt: skip
+            choice, given = answer.choices[0], answer.choices[0].logprobs
+            alone = c.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                         logprobs=2) if max_tokens else None  # fmt: skip
+            assert choice.text == text + (alone.choices[0].text if alone else "")
+            check_echoed(given, ids, expected, tokenizer, 2)
+            assert len(given.tokens) == len(ids) + max_tokens and answer.usage.completion_tokens == max_tokens
+            if alone:
+                rest = alone.choices[0].logprobs
+                assert given.token_logprobs[len(ids) :] == rest.token_logprobs
+                assert given.text_offset[len(ids) :] == [len(text) + o for o in rest.text_offset]
+            assert choice.finish_reason == "length"
+    chunks = list(c.completions.create(model=MODEL, prompt=text, max_tokens=6, temperature=0, echo=True, logprobs=2,
+                                       stream=True))  # fmt: skip
+    whole = c.completions.create(model=MODEL, prompt=text, max_tokens=6, temperature=0, echo=True, logprobs=2)
+    assert chunks[0].choices[0].text == text  # the prompt comes first, with its log probabilities
+    assert "".join(ch.choices[0].text for ch in chunks) == whole.choices[0].text
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        streamed = [v for ch in chunks if ch.choices[0].logprobs for v in getattr(ch.choices[0].logprobs, field)]
+        assert streamed == getattr(whole.choices[0].logprobs, field)
+    plain = c.completions.create(model=MODEL, prompt=text, max_tokens=3, temperature=0, echo=True)
+    assert plain.choices[0].text.startswith(text) and plain.choices[0].logprobs is None
+
+
+def test_echo_requests_out_of_range_are_400s(server) -> None:
+    """Only a completion echoes (chat's `echo` stays off), `echo` is a boolean, and only an echo
+    may ask for no new token."""
+    cases = [("/v1/completions", {"echo": "yes"}, "echo must be a boolean"),
+             ("/v1/completions", {"max_tokens": 0}, "max_tokens must be in [1,"),
+             ("/v1/completions", {"echo": True, "max_tokens": -1}, "max_tokens must be in [0,"),
+             ("/v1/chat/completions", {"echo": True}, "echo=True is not supported")]  # fmt: skip
+    for path, extra, words in cases:
+        body = {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"}
+        answer = httpx.post(server.url + path, content=json.dumps({**body, **extra}).encode(), timeout=30,
+                            headers={"content-type": "application/json"})  # fmt: skip
+        assert answer.status_code == 400 and words in answer.json()["error"]["message"], (extra, answer.text)
+
+
+def test_prompt_log_probabilities_of_a_prompt_longer_than_a_block(scorer) -> None:
+    """`prompt_logprobs` reads a long prompt a block at a time (`PROMPT_BLOCK` positions a forward,
+    the logits of one block held at once): every position still gets what one forward over the
+    whole prompt gives, across the blocks' seams."""
+    from kvcache.serve.logprobs import PROMPT_BLOCK, prompt_logprobs
+
+    score, tokenizer = scorer
+    model, _ = load_default_model(dtype=torch.float64)
+    ids = tokenizer.encode("The list holds a value. " * 20)[: 2 * PROMPT_BLOCK + 7]
+    expected = score(ids)
+    with torch.no_grad():
+        given = prompt_logprobs(model, ids, 3, torch.device("cpu"))
+    assert [g.token for g in given] == ids[1:]
+    for i, entry in enumerate(given):
+        assert math.isclose(entry.logprob, float(expected[i, ids[i + 1]]), abs_tol=TOLERANCE)
+        values, alternatives = expected[i].topk(3)
+        assert [a for a, _ in entry.top] == alternatives.tolist()
+        assert all(math.isclose(v, float(w), abs_tol=TOLERANCE) for (_, v), w in zip(entry.top, values, strict=True))

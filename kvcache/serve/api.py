@@ -86,13 +86,15 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
         sampling = Sampling(params.temperature > 0, params.temperature or 1.0, params.top_k, params.top_p,
                             params.min_p)
         choices = []
-        for i, prompt in enumerate(prompts):
+        for i, (prompt, original) in enumerate(zip(prompts, params.prompts, strict=True)):
             for j in range(params.n):
                 seed = None if params.seed is None else (params.seed + j + 2**63) % 2**64 - 2**63
                 request = Request(prompt=prompt, max_tokens=params.max_tokens, sampling=sampling, seed=seed,
-                                  logprobs=params.logprobs)  # fmt: skip
+                                  logprobs=params.logprobs,
+                                  prompt_logprobs=params.logprobs if params.echo else None)  # fmt: skip
+                echo = (original if isinstance(original, str) else served.decode(prompt)) if params.echo else None
                 choices.append(Completion(served, engine, request, params.stop, chat=chat, index=i * params.n + j,
-                                          counts_prompt=j == 0))  # fmt: skip
+                                          counts_prompt=j == 0, echo=echo))  # fmt: skip
                 metrics.prompt_tokens.inc(len(prompt))
                 engine.submit(request)
         return choices

@@ -16,7 +16,7 @@ from starlette.requests import Request as HttpRequest
 from ..generation.detokenize import Detokenizer
 from .engine import Request
 from .events import asyncio_sink
-from .logprobs import TokenLogprobs, chat_logprobs, completion_logprobs
+from .logprobs import TokenLogprobs, chat_logprobs, completion_logprobs, echoed_logprobs, joined
 from .schema import ApiError
 from .served import ServedModel
 
@@ -27,19 +27,22 @@ DISCONNECT_POLL_S = 0.1
 class Completion:
     """One choice: its request's tokens turned into text as they arrive, stop strings applied.
     `index`: the choice's place in the answer; `counts_prompt`: whether its prompt counts in the
-    answer's usage (the first of the `n` choices of a prompt)."""
+    answer's usage (the first of the `n` choices of a prompt); `echo`: the prompt's text, which the
+    completion's text starts with (its tokens' log probabilities come first too, when asked)."""
 
     def __init__(self, served: ServedModel, engine: Any, request: Request, stops: list[str], *,
-                 chat: bool = False, index: int = 0, counts_prompt: bool = True) -> None:  # fmt: skip
+                 chat: bool = False, index: int = 0, counts_prompt: bool = True,
+                 echo: str | None = None) -> None:  # fmt: skip
         self.served, self.engine, self.request, self.stops, self.chat = served, engine, request, stops, chat
-        self.index, self.counts_prompt = index, counts_prompt
+        self.index, self.counts_prompt, self.echo = index, counts_prompt, echo
+        self.prompt_logprobs: list[TokenLogprobs] | None = None  # the engine's "prompt" event, when asked
         self.queue: asyncio.Queue = asyncio.Queue()
         request.on_event = asyncio_sink(asyncio.get_running_loop(), self.queue)
         self.finish_reason: str | None = None
         self.text = ""
         self.tokens: list[int] = []  # as the events brought them: the engine may be a step ahead
         self.logprobs: list[TokenLogprobs] = []  # the tokens' log probabilities, when the request asked
-        self._offset = (0, 0)  # (tokens shaped so far, their text's length), for completions' text_offset
+        self._offset = (0, len(echo or ""))  # (tokens shaped so far, where their text ends), for text_offset
         self.detokenizer = Detokenizer(served.decode)
 
     def _take(self, value: int | TokenLogprobs) -> int:
@@ -57,6 +60,9 @@ class Completion:
         try:
             while True:
                 kind, value = await self.queue.get()
+                if kind == "prompt":  # (before any token)
+                    self.prompt_logprobs = value
+                    continue
                 fresh = []
                 # tokens that came together make one piece (a stop string is looked for token by token)
                 while kind == "token" and not self.stops and not self.queue.empty():
@@ -104,10 +110,30 @@ class Completion:
             return chat_logprobs(given, self.served.decode)
         done, offset = self._offset  # where the previous call's tokens ended: a stream asks in order
         if done != start:
-            offset = sum(len(self.served.decode([t])) for t in self.tokens[:start])
+            offset = len(self.echo or "") + sum(len(self.served.decode([t])) for t in self.tokens[:start])
         shaped = completion_logprobs(given, self.served.decode, offset)
         self._offset = (len(self.tokens), offset + sum(map(len, shaped["tokens"])))
         return shaped
+
+    def echoed(self) -> dict[str, Any] | None:
+        """The echoed prompt's `logprobs` object (None when not asked for)."""
+        if self.request.prompt_logprobs is None:
+            return None
+        if self.prompt_logprobs is None:
+            raise ApiError(500, "the engine sent no log probabilities for the prompt")
+        return echoed_logprobs(self.request.prompt, self.prompt_logprobs, self.served.decode)
+
+    async def scored(self) -> None:
+        """Wait for the prompt's log probabilities (a stream sends them first; the engine sends
+        them before any token), raising the request's failure instead if it ends without them."""
+        if self.request.prompt_logprobs is None or self.prompt_logprobs is not None:
+            return
+        kind, value = await self.queue.get()
+        if kind == "prompt":
+            self.prompt_logprobs = value
+            return
+        self.finish_reason = "cancelled"  # (`deltas` is not called after this)
+        raise ApiError(503 if kind == "unavailable" else 500, f"generation failed: {value}")
 
 
 def usage(choices: list[Completion]) -> dict[str, Any]:
@@ -142,7 +168,9 @@ async def whole(http: HttpRequest, choices: list[Completion], chat: bool, logpro
         if chat:
             shaped.update(message={"role": "assistant", "content": content}, logprobs=given)
         else:
-            shaped.update(text=content, logprobs=given)
+            echoed = choice.echoed() if logprobs else None
+            given = given if echoed is None else joined(echoed, given)
+            shaped.update(text=(choice.echo or "") + content, logprobs=given)
         out.append(shaped)
     return out
 
@@ -223,6 +251,12 @@ async def _chunks(choice: Completion, head: dict[str, Any], kind: str, chat: boo
     if chat:
         yield chunk(None, None, first=True), False
     try:
+        if choice.echo is not None:  # the prompt first, with its log probabilities
+            await choice.scored()
+            echoed = choice.echoed() if logprobs else None
+            shaped = {"index": choice.index, "text": choice.echo, "logprobs": echoed, "finish_reason": None}
+            usage = {"usage": None} if include_usage else {}
+            yield f"data: {json.dumps({**head, 'object': kind, 'choices': [shaped], **usage})}\n\n", False
         async for piece in choice.deltas():
             yield chunk(piece, None), False
     except ApiError as err:

@@ -44,7 +44,7 @@ from ..store.payloads import model_module, storable
 from . import prefill
 from . import rows as batch_rows
 from .events import BatchedSink
-from .logprobs import token_logprobs
+from .logprobs import score_prompts, token_logprobs
 from .metrics import Metrics
 from .speculation import can_speculate, speculative_step
 
@@ -71,6 +71,7 @@ class Request:
     seed: int | None = None
     stop_ids: frozenset[int] = frozenset()
     logprobs: int | None = None  # tokens come with their log probabilities and this many alternatives
+    prompt_logprobs: int | None = None  # the prompt's, first (a "prompt" event), with this many alternatives
     id: str = ""
     on_event: Callable[[tuple[str, Any]], None] = lambda event: None
     created: float = field(default_factory=time.monotonic)
@@ -87,6 +88,7 @@ class Request:
     drafter: Drafter | None = None
     rows: list | None = None  # prefilled with other newcomers: its row of their batch (`rows.stack` takes it)
     alone: bool = False  # its group's forward failed: prefilled alone from now on
+    scored: bool = False  # its prompt's log probabilities were sent (or not asked for)
     on_cancel: Callable[[], None] | None = None  # tells an engine in another process (`engine_process`)
 
     def cancel(self) -> None:
@@ -249,6 +251,7 @@ class Engine:
         cold ones, or ones that continue cached prefixes), then the rest one by one. The first
         prompt is fed at least one chunk, so prefills always move, and while no row decodes or
         waits to join, up to `IDLE_STEP_TOKENS` (no one waits on that forward)."""
+        score_prompts(self)
         budget = self.max_step_tokens - len(self._rows) * (1 + self.draft_width)
         slots = self.max_batch - len(self._rows) - len(self._ready)
         waiting = []
@@ -423,7 +426,7 @@ class Engine:
     def _finish(self, request: Request, reason: str) -> None:
         request.finish_reason = reason
         self._leave(request)
-        if self.suffix_corpus is not None and reason in ("stop", "length"):
+        if self.suffix_corpus is not None and reason in ("stop", "length") and request.tokens:
             self.suffix_corpus.add(request.prompt + request.tokens, len(request.prompt))  # later requests draft from it
         request.cache = None
         self._send(request, ("done", reason))

@@ -8,6 +8,11 @@ was chosen, so they are the same distribution computed in a wider forward (equal
 step's within rounding). The web side shapes them as OpenAI does: chat's `logprobs.content`
 (token text, log probability, UTF-8 bytes, alternatives) and completions' `tokens`,
 `token_logprobs`, `top_logprobs` and `text_offset`.
+
+With `echo` a completion asks for its prompt's too (what evaluation harnesses score a text with:
+`max_tokens` 0 or 1, `echo`, `logprobs`): the engine reads the prompt once more in a cache of its
+own before prefilling it (`score_prompts`; a stored prefix keeps states, not every position's
+scores), and each prompt token after the first gets its log probability given those before it.
 """
 
 from __future__ import annotations
@@ -38,6 +43,53 @@ def token_logprobs(scores: torch.Tensor, token: int, top: int) -> TokenLogprobs:
     return TokenLogprobs(token, float(logp[token]), best)
 
 
+#: Prompt positions scored per forward (`prompt_logprobs`): their logits `[block, vocab]` are held
+#: at once, twice (log-softmax), so a 150k-token vocabulary costs ~150 MB, not that per position.
+PROMPT_BLOCK = 128
+
+
+def prompt_logprobs(model: Any, prompt: Sequence[int], top: int, device: torch.device) -> list[TokenLogprobs]:
+    """Each prompt token after the first with its log probability given the tokens before it and
+    the `top` most likely tokens there (what `echo` with `logprobs` returns): the prompt read by
+    `model` in a cache of its own, `PROMPT_BLOCK` positions a forward."""
+    cache, out = model.new_cache(), []
+    for start in range(0, len(prompt) - 1, PROMPT_BLOCK):
+        end = min(start + PROMPT_BLOCK, len(prompt) - 1)
+        ids = torch.tensor([list(prompt[start:end])], dtype=torch.long, device=device)
+        logits = model(ids, cache=cache, position_ids=torch.arange(start, end, device=device)[None])[0]
+        logp = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)
+        following = list(prompt[start + 1 : end + 1])
+        chosen = logp.gather(-1, torch.tensor(following, device=device)[:, None])[:, 0].tolist()
+        best: list[tuple[tuple[int, float], ...]] = [()] * len(following)
+        if top:
+            values, indices = logp.topk(min(top, logp.shape[-1]), dim=-1)
+            best = [tuple(zip(i, v, strict=True)) for i, v in zip(indices.tolist(), values.tolist(), strict=True)]
+        out += [TokenLogprobs(t, lp, b) for t, lp, b in zip(following, chosen, best, strict=True)]
+    return out
+
+
+def score_prompts(engine: Any) -> None:
+    """The engine's newcomers that asked for their prompt's log probabilities (`echo` with
+    `logprobs`) get them before anything else (a "prompt" event), in order of arrival, about a
+    step budget of prompt tokens a turn (at least one prompt); those that asked for no new token
+    (`max_tokens` 0) end there."""
+    spent = 0
+    for request in [r for r in engine._prefilling if not r.scored]:
+        if spent >= engine.max_step_tokens:
+            break
+        request.scored = True
+        try:
+            if request.prompt_logprobs is not None:
+                spent += len(request.prompt)
+                scored = prompt_logprobs(engine.model, request.prompt, request.prompt_logprobs, engine.device)
+                engine._send(request, ("prompt", scored))
+            if request.max_tokens == 0:
+                engine._prefilling.remove(request)
+                engine._finish(request, "length")
+        except Exception as exc:  # this prompt's own failure: it alone ends
+            engine._drop_failed(request, exc)
+
+
 def _logprob(value: float) -> float:
     return max(value, -9999.0)  # a JSON number: -inf (a token the model rules out) is not one
 
@@ -65,3 +117,18 @@ def completion_logprobs(given: Sequence[TokenLogprobs], decode: Callable[[list[i
     return {"tokens": tokens, "token_logprobs": [_logprob(t.logprob) for t in given],
             "top_logprobs": [{decode([i]): _logprob(lp) for i, lp in t.top} for t in given],
             "text_offset": offsets}  # fmt: skip
+
+
+def echoed_logprobs(prompt: Sequence[int], given: Sequence[TokenLogprobs],
+                    decode: Callable[[list[int]], str]) -> dict[str, Any]:  # fmt: skip
+    """Completions' `logprobs` object of an echoed prompt: its first token has none (nothing comes
+    before it: null, as OpenAI and vLLM send it), then `given`, the rest's (`prompt_logprobs`)."""
+    first = decode([prompt[0]])
+    rest = completion_logprobs(given, decode, len(first))
+    return {"tokens": [first, *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
+            "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": [0, *rest["text_offset"]]}  # fmt: skip
+
+
+def joined(head: dict[str, Any], tail: dict[str, Any]) -> dict[str, Any]:
+    """Two completions' `logprobs` objects one after the other (an echoed prompt's, the answer's)."""
+    return {name: [*head[name], *tail[name]] for name in head}

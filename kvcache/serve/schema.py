@@ -4,9 +4,10 @@ Every bad request is an `ApiError`: the status (400 for a malformed or out-of-ra
 without the API key, 404 for another model or path, 413 for a body too large, 429 when the queue
 is full) and OpenAI's error JSON, `{"error": {"message", "type", "param", "code"}}`, never a
 traceback. Fields OpenAI defines that this server does not implement are accepted only at their
-neutral value (`best_of=1`, `echo` off, penalties 0, ...); unknown fields are refused. Log
+neutral value (`best_of=1`, chat's `echo` off, penalties 0, ...); unknown fields are refused. Log
 probabilities are returned as OpenAI shapes them: chat's `logprobs: true` with `top_logprobs`
-alternatives (0 to `MAX_LOGPROBS`), completions' `logprobs: k` (the chosen token and the top k).
+alternatives (0 to `MAX_LOGPROBS`), completions' `logprobs: k` (the chosen token and the top k),
+the prompt's too with `echo`.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class Params:
     messages: list[dict[str, str]] | None = None
     logprobs: int | None = None  # None: no log probabilities; k: the chosen token's and the top k
     n: int = 1
+    echo: bool = False  # a completion's text (and log probabilities) start with its prompt's
 
 
 #: JSON nested deeper than this is refused (a request needs 4 levels; Python's parser recurses).
@@ -146,7 +148,8 @@ def _same(value: Any, neutral: Any) -> bool:
     return value == neutral
 
 
-def _common(body: dict[str, Any], allowed: set[str], model: str, limits: Limits, max_name: str) -> Params:
+def _common(body: dict[str, Any], allowed: set[str], model: str, limits: Limits, max_name: str,
+            least_tokens: int = 1) -> Params:  # fmt: skip
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise ApiError(400, f"unrecognized request argument(s): {', '.join(unknown)}", param=unknown[0])
@@ -160,7 +163,8 @@ def _common(body: dict[str, Any], allowed: set[str], model: str, limits: Limits,
         raise ApiError(404, f"the model {given!r} does not exist; this server serves {model!r}", param="model",
                        code="model_not_found")  # fmt: skip
     maximum = body.get(max_name, body.get("max_tokens"))
-    max_tokens = limits.default_max_tokens if maximum is None else _integer(maximum, max_name, 1, limits.max_tokens)
+    max_tokens = (limits.default_max_tokens if maximum is None
+                  else _integer(maximum, max_name, least_tokens, limits.max_tokens))  # fmt: skip
     seed = body.get("seed")
     if seed is not None:
         seed = _integer(seed, "seed", -(2**63), 2**63 - 1)
@@ -189,7 +193,15 @@ def _common(body: dict[str, Any], allowed: set[str], model: str, limits: Limits,
 
 
 def completion_params(body: dict[str, Any], model: str, limits: Limits) -> Params:
-    params = _common(body, COMPLETION_FIELDS, model, limits, "max_tokens")
+    """A completion's request checked. `echo` (a completion field: chat's stays off) may ask for no
+    new token (`max_tokens: 0`), the prompt's log probabilities alone, as evaluation harnesses
+    score a text."""
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise ApiError(400, f"echo must be a boolean, got {echo!r}", param="echo")
+    body = {name: value for name, value in body.items() if name != "echo"}
+    params = _common(body, COMPLETION_FIELDS, model, limits, "max_tokens", 0 if echo else 1)
+    params.echo = echo
     if body.get("top_logprobs") not in (None, 0) or isinstance(body.get("top_logprobs"), bool):
         raise ApiError(400, "top_logprobs is a chat field: a completion takes logprobs: k (the top k)",
                        param="top_logprobs")  # fmt: skip
