@@ -279,6 +279,8 @@ def test_echo_returns_the_prompt_and_its_log_probabilities_before_the_answer(ser
         assert streamed == getattr(whole.choices[0].logprobs, field)
     plain = c.completions.create(model=MODEL, prompt=text, max_tokens=3, temperature=0, echo=True)
     assert plain.choices[0].text.startswith(text) and plain.choices[0].logprobs is None
+    unset = c.completions.create(model=MODEL, prompt=text, max_tokens=3, temperature=0, extra_body={"echo": None})
+    assert text + unset.choices[0].text == plain.choices[0].text  # null is the default: no echo
 
 
 def test_echo_requests_out_of_range_are_400s(server) -> None:

@@ -196,7 +196,7 @@ def completion_params(body: dict[str, Any], model: str, limits: Limits) -> Param
     """A completion's request checked. `echo` (a completion field: chat's stays off) may ask for no
     new token (`max_tokens: 0`), the prompt's log probabilities alone, as evaluation harnesses
     score a text."""
-    echo = body.get("echo", False)
+    echo = False if body.get("echo") is None else body["echo"]  # null: the default, as OpenAI reads it
     if not isinstance(echo, bool):
         raise ApiError(400, f"echo must be a boolean, got {echo!r}", param="echo")
     body = {name: value for name, value in body.items() if name != "echo"}
