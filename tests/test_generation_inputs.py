@@ -225,6 +225,23 @@ def test_sampling_scores_match_transformers_warpers() -> None:
     assert torch.equal(greedy, logits) and greedy.data_ptr() != logits.data_ptr()
 
 
+def test_a_logit_bias_is_added_to_the_logits_before_everything_else() -> None:
+    """`Sampling.logit_bias` is added to the logits (greedy scores, or before the temperature), the
+    logits themselves are not changed, and malformed pairs are refused."""
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(1))
+    bias = ((3, -100.0), (7, 2.5), (0, 1))
+    added = logits.clone()
+    for token, value in bias:
+        added[:, token] += value
+    before = logits.clone()
+    assert torch.equal(Sampling(logit_bias=bias).scores(logits), added)
+    assert torch.equal(Sampling(True, 0.5, logit_bias=bias).scores(logits), added / 0.5)
+    assert torch.equal(logits, before)
+    for bad in (((1, "x"),), ((-1, 1.0),), ((1, float("nan")),), [(1, 1.0)], ((True, 1.0),), ((1,),)):
+        with pytest.raises(GenerationError, match="logit_bias"):
+            Sampling(logit_bias=bad)
+
+
 def test_text_streamer_prints_decoded_tokens_as_they_arrive() -> None:
     tokenizer = CharTokenizer("abc .")
     out = io.StringIO()

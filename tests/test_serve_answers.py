@@ -315,3 +315,40 @@ def test_prompt_log_probabilities_of_a_prompt_longer_than_a_block(scorer) -> Non
         values, alternatives = expected[i].topk(3)
         assert [a for a, _ in entry.top] == alternatives.tolist()
         assert all(math.isclose(v, float(w), abs_tol=TOLERANCE) for (_, v), w in zip(entry.top, values, strict=True))
+
+
+def test_logit_bias_bans_and_forces_tokens_chat_and_completions(server, reference) -> None:
+    """`logit_bias` through the official client: banning the first token of the greedy answer gives
+    the model's second choice there and never that token again; +100 forces a token at every
+    step; log probabilities stay the model's own (before the bias); chat takes it too."""
+    logp, tokenizer = reference
+    c = client(server)
+    prompt = "The value of the "
+    text = c.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+    first = tokenizer.encode(text)[0]
+    banned = c.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=1,
+                                  logit_bias={str(first): -100})  # fmt: skip
+    ids = tokenizer.encode(banned.choices[0].text)
+    expected = logp(prompt, banned.choices[0].text)
+    assert ids[0] == int(expected[0].topk(2).indices[1]) and first not in ids
+    assert math.isclose(banned.choices[0].logprobs.token_logprobs[0], float(expected[0, ids[0]]), abs_tol=TOLERANCE)
+    forced = tokenizer.encode("q")[0]
+    answer = c.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0.8, seed=3,
+                                  logit_bias={str(forced): 100})  # fmt: skip
+    assert answer.choices[0].text == "q" * 5
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                                     logit_bias={str(forced): 100})  # fmt: skip
+    assert chat.choices[0].message.content == "q" * 5
+
+
+def test_logit_bias_out_of_range_is_a_400(server) -> None:
+    cases = [({"logit_bias": {"abc": 1}}, "logit_bias keys must be token ids"),
+             ({"logit_bias": {"1": 101}}, "logit_bias values must be numbers in [-100, 100]"),
+             ({"logit_bias": {"1": True}}, "logit_bias values must be numbers"),
+             ({"logit_bias": [1, 2]}, "logit_bias must be an object"),
+             ({"logit_bias": {"99999999": 1}}, "logit_bias token ids must be in [0,")]  # fmt: skip
+    for extra, words in cases:
+        answer = httpx.post(server.url + "/v1/completions", content=json.dumps({"prompt": "x", **extra}).encode(),
+                            timeout=30, headers={"content-type": "application/json"})  # fmt: skip
+        assert answer.status_code == 400 and words in answer.json()["error"]["message"], (extra, answer.text)

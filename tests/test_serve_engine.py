@@ -760,3 +760,47 @@ def test_logprobs_of_accepted_drafts_come_from_their_verify_positions(bundled) -
             values, best = expected[position].topk(2)
             assert [i for i, _ in entry.top] == best.tolist()
             assert all(abs(v - float(w)) < 1e-9 for (_, v), w in zip(entry.top, values, strict=True))
+
+
+def biased_greedy(model, prompt: list[int], n: int, bias: tuple[tuple[int, float], ...]) -> list[int]:
+    """Greedy decoding with `bias` added to the logits, step by step (the reference for `logit_bias`)."""
+    cache, out = model.new_cache(), []
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt]), cache=cache, position_ids=torch.arange(len(prompt))[None])
+        for i in range(n):
+            scores = logits[0, -1].float().clone()
+            for token, value in bias:
+                scores[token] += value
+            out.append(int(scores.argmax()))
+            logits = model(torch.tensor([out[-1:]]), cache=cache, position_ids=torch.tensor([[len(prompt) + i]]))
+    return out
+
+
+def test_logit_bias_is_honoured_by_plain_and_speculative_steps(bundled) -> None:
+    """OpenAI's `logit_bias` (`Sampling.logit_bias`): greedy rows, in plain steps and verified drafts
+    alike, give what greedy decoding of the biased logits gives (banning tokens the unbiased answers
+    use changes them), and seeded sampled rows with a bias sample under speculation what they
+    sample without."""
+    model, tokenizer = bundled
+    prompts = [prompt_ids(tokenizer, i, n) for i, n in enumerate((40, 70))]  # repetitive: lookup drafts
+    unbiased = [alone(model, p, 20) for p in prompts]
+    bias = ((unbiased[0][3], -100.0), (unbiased[1][5], -100.0))
+    expected = [biased_greedy(model, p, 20, bias) for p in prompts]
+    assert expected != unbiased and all(t not in answer for answer in expected for t, _ in bias)
+
+    def run(sample: bool, **kwargs) -> list[list[int]]:
+        engine = Engine(model, PrefixStore(chunk_size=16), eos=[], **kwargs)
+        requests = [Request(prompt=p, max_tokens=20, seed=i, sampling=Sampling(sample, 1.3, logit_bias=bias))
+                    for i, p in enumerate(prompts)]  # fmt: skip
+        engine.start()
+        try:
+            run_requests(engine, requests)
+        finally:
+            engine.stop()
+        return [r.tokens for r in requests]
+
+    assert run(False) == expected
+    assert run(False, speculative=6, draft_schedule="constant") == expected
+    sampled = run(True)
+    assert all(t not in answer for answer in sampled for t, _ in bias)
+    assert run(True, speculative=6, draft_schedule="constant") == sampled

@@ -1,4 +1,5 @@
-"""Turning next-token logits into scores and picking tokens: temperature, top-k, top-p, min-p, argmax."""
+"""Turning next-token logits into scores and picking tokens: a logit bias, temperature, top-k, top-p,
+min-p, argmax."""
 
 from __future__ import annotations
 
@@ -15,15 +16,25 @@ class Sampling:
     """How the next token is chosen. `do_sample=False` is greedy (argmax of the raw logits);
     otherwise the logits are divided by `temperature`, cut to the `top_k` best (0 = no cut), to the
     smallest set of probability mass `top_p` and to the tokens at least `min_p` times as likely as
-    the most likely one (0 = no cut), in that order (transformers' order), and sampled."""
+    the most likely one (0 = no cut), in that order (transformers' order), and sampled.
+    `logit_bias` (`(token, bias)` pairs, OpenAI's `logit_bias`) is added to the logits first,
+    greedy or not: -100 bans a token, +100 all but forces it."""
 
     do_sample: bool = False
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
+        bias = self.logit_bias
+        if not isinstance(bias, tuple) or not all(
+            isinstance(pair, tuple) and len(pair) == 2 and type(pair[0]) is int and pair[0] >= 0
+            and type(pair[1]) in (int, float) and math.isfinite(pair[1]) for pair in bias
+        ):  # fmt: skip
+            raise GenerationError(f"logit_bias must be a tuple of (token id, finite number) pairs, got {bias!r}",
+                                  param="logit_bias")  # fmt: skip
         if not isinstance(self.do_sample, bool):
             raise GenerationError(f"do_sample must be a bool, got {self.do_sample!r}", param="do_sample")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
@@ -43,6 +54,10 @@ class Sampling:
 
     def scores(self, logits: torch.Tensor) -> torch.Tensor:
         """Float32 scores `[batch, vocab]` of the next token (what `output_scores` returns)."""
+        if self.logit_bias:
+            ids = torch.tensor([t for t, _ in self.logit_bias], device=logits.device)
+            values = torch.tensor([b for _, b in self.logit_bias], dtype=torch.float32, device=logits.device)
+            logits = logits.float().index_add(-1, ids, values.expand(*logits.shape[:-1], -1))
         if self.do_sample and self.temperature != 1:
             scores = logits.float() / self.temperature
         else:

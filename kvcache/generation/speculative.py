@@ -152,8 +152,9 @@ class Verifier:
         """Check `draft` against the target's logits for the pending token and every draft token
         (`[n + 1, vocab]`); return (number of draft tokens accepted, tokens to append)."""
         n = len(draft.tokens)
-        if not self.do_sample:  # greedy: the argmax of the raw logits (as float32, the same order)
-            choice = target_logits.argmax(-1).tolist()
+        if not self.do_sample:  # greedy: the argmax of the raw logits (as float32, the same order), biased if asked
+            biased = self.sampling.scores(target_logits) if self.sampling.logit_bias else target_logits
+            choice = biased.argmax(-1).tolist()
             accepted = 0
             while accepted < n and draft.tokens[accepted] == choice[accepted]:
                 accepted += 1

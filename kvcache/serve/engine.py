@@ -369,14 +369,15 @@ class Engine:
         ids = torch.tensor([[r.pending] for r in rows], dtype=torch.long, device=self.device)
         logits = self.model(ids, cache=cache, **self.row_inputs(1))[:, -1]
         # every greedy row's token from one argmax and one host transfer (what `_choose` picks per row)
-        greedy = logits.float().argmax(-1).tolist() if any(not r.sampling.do_sample for r in rows) else []
+        plain = [not (r.sampling.do_sample or r.sampling.logit_bias) for r in rows]  # rows whose token is the argmax
+        greedy = logits.float().argmax(-1).tolist() if any(plain) else []
         keep = []
         for b, request in enumerate(rows):
             try:
                 fed = request.pending
                 request.session.advance([fed], self.row_capture(b))
-                self._emit(request, self._choose(request, logits[b : b + 1]) if request.sampling.do_sample
-                           else greedy[b], logits[b])  # fmt: skip
+                self._emit(request, greedy[b] if plain[b] else self._choose(request, logits[b : b + 1]),
+                           logits[b])  # fmt: skip
             except Exception as exc:  # this row's own failure (its sampling, its store path): it alone ends
                 self._fail(request, exc)
             if request.finish_reason is None:

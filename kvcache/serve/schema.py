@@ -33,7 +33,7 @@ class ApiError(Exception):
 #: Each lists every value that means "off".
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (1,), "echo": (False,),
-    "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": (None, {}), "suffix": (None, ""),
+    "presence_penalty": (0,), "frequency_penalty": (0,), "suffix": (None, ""),
     "tools": (None, []), "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
     "parallel_tool_calls": (None,)}  # fmt: skip
 #: Fields accepted and ignored (they change nothing here).
@@ -42,10 +42,12 @@ IGNORED = {"user", "metadata", "store", "service_tier"}
 GREEDY_BELOW = 1e-5
 #: The most alternatives a token's log probabilities list (`top_logprobs`, completions' `logprobs`).
 MAX_LOGPROBS = 20
+#: The most tokens a request's `logit_bias` names (OpenAI's limit).
+MAX_LOGIT_BIAS = 300
 #: The most choices one request asks for: its prompts (a completion may send a list) times `n`.
 MAX_CHOICES = 64
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options",
-          "logprobs", "top_logprobs", "n"}  # fmt: skip
+          "logprobs", "top_logprobs", "n", "logit_bias"}  # fmt: skip
 COMPLETION_FIELDS = COMMON | {"prompt"} | set(NEUTRAL) | IGNORED
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"} | set(NEUTRAL) | IGNORED
 
@@ -77,6 +79,7 @@ class Params:
     messages: list[dict[str, str]] | None = None
     logprobs: int | None = None  # None: no log probabilities; k: the chosen token's and the top k
     n: int = 1
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, added to the logits
     echo: bool = False  # a completion's text (and log probabilities) start with its prompt's
 
 
@@ -185,11 +188,30 @@ def _common(body: dict[str, Any], allowed: set[str], model: str, limits: Limits,
     top_k = 0 if top_k is None or top_k == -1 else _integer(top_k, "top_k", 0, 1 << 31)
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     n = 1 if body.get("n") is None else _integer(body["n"], "n", 1, MAX_CHOICES)
-    return Params(prompts=[], max_tokens=max_tokens, n=n,
+    return Params(prompts=[], max_tokens=max_tokens, n=n, logit_bias=_logit_bias(body.get("logit_bias")),
                   temperature=0.0 if temperature < GREEDY_BELOW else temperature,
                   top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), top_k=top_k,
                   min_p=_number(body, "min_p", 0.0, 0.0, 1.0), seed=seed, stop=stops,
                   stream=stream, include_usage=bool(options.get("include_usage", False)))  # fmt: skip
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias`: an object of token ids (as strings) to numbers in [-100, 100], at most
+    `MAX_LOGIT_BIAS` of them (null or {}: none). Ids past the vocabulary are refused by the server."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise ApiError(400, f"logit_bias must be an object of at most {MAX_LOGIT_BIAS} token ids to numbers",
+                       param="logit_bias")  # fmt: skip
+    pairs = []
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit()) or len(key) > 10:
+            raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise ApiError(400, f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {key}",
+                           param="logit_bias")  # fmt: skip
+        pairs.append((int(key), float(bias)))
+    return tuple(pairs)
 
 
 def completion_params(body: dict[str, Any], model: str, limits: Limits) -> Params:

@@ -78,7 +78,7 @@ def speculative_step(engine: Any) -> None:
         cache.activate_past_recording()
     logits = engine.model(ids, cache=cache, **engine.row_inputs(width))
     choices = logits.argmax(-1).tolist()  # every greedy row's choices in one host transfer
-    verdicts = [_greedy(draft, choices[b]) if not verifier.do_sample
+    verdicts = [_greedy(draft, choices[b]) if not (verifier.do_sample or verifier.sampling.logit_bias)
                 else verifier.verify(draft, logits[b, : len(draft.tokens) + 1])
                 for b, (verifier, draft) in enumerate(zip(verifiers, drafts, strict=True))]  # fmt: skip
     if width > 1:
