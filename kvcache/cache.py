@@ -116,6 +116,24 @@ class Cache:
             del self.layers[layers_before:]  # a failing update must not leave lazily created layers behind
             raise
 
+    def update_blocks(self, key_states: torch.Tensor, value_states: torch.Tensor,
+                      layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]:  # fmt: skip
+        """A quantized layer's `update_blocks`, for a forward whose queries span several of its
+        blocks at once (`in_one_forward`): keys, values and their geometry for `blocks_bias`."""
+        layer = self._layer(layer_idx)
+        if not hasattr(layer, "update_blocks"):
+            raise CacheInputError(f"update_blocks: layer {layer_idx} ({type(layer).__name__}) is not quantized")
+        return layer.update_blocks(key_states, value_states)
+
+    def in_one_forward(self, batch: int, attention_mask: torch.Tensor | None) -> bool:
+        """Whether a forward whose pieces (`forward_segments`) are several may be computed at once,
+        each quantized layer answering `update_blocks`: one unpadded row, every blocked layer
+        built and able to."""
+        if batch != 1 or attention_mask is not None or self.is_ragged or not self.layers:
+            return False
+        blocked = [layer for layer in self.layers if layer.forward_block]
+        return bool(blocked) and all(hasattr(layer, "update_blocks") for layer in blocked)
+
     def _first_attention_idx(self, layer_idx: int) -> int:
         """transformers' rule: layer 0 stands for the first layer that has a sequence length."""
         if layer_idx == 0 and self.layers and not self.layers[0].has_attention:

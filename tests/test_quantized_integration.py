@@ -228,3 +228,63 @@ def test_bad_quantization_arguments_are_clear_errors() -> None:
     assert [type(layer) for layer in lazy] == [QuantizedLayer, QuantizedLayer] and lazy.layers[0].bits == 4
     with pytest.raises(CacheInputError, match="multiple"):
         QuantizedLayer(8, 64).update(torch.randn(1, 2, 3, 96), torch.randn(1, 2, 3, 96))
+
+
+@pytest.mark.parametrize("groups", [("channel", "channel"), ("channel", "token"), ("token", "token")])
+@pytest.mark.parametrize("kind", ["full", "sliding"])
+def test_a_forward_across_blocks_at_once_computes_what_one_forward_per_block_computes(kind: str, groups, monkeypatch):
+    """One row into a quantized cache: a forward spanning several blocks is computed at once (each
+    quantized layer's `update_blocks`, `blocks_bias`: every query sees the blocks before its own
+    dequantized and its own block in full precision) instead of one forward per block. Float64,
+    prompts split anywhere, while recording (a verify forward) and after a crop: the logits agree
+    to 1e-12 (the reduction order of wider matmuls), the codes the layers hold are equal, and no
+    forward is cut in pieces (a window of 4 tokens, narrower than a block, included)."""
+    model = make_target(kind).double()
+    key_groups, value_groups = groups
+    window = 4 if kind == "sliding" else None
+
+    def new_cache() -> Cache:
+        groups = {"key_groups": key_groups, "value_groups": value_groups}
+        if window:
+            return Cache([QuantizedSlidingWindowLayer(window, 4, 32, **groups) for _ in range(2)])
+        return Cache([QuantizedLayer(4, 32, **groups) for _ in range(2)])
+
+    ids = torch.randint(3, VOCAB, (1, 120), generator=torch.Generator().manual_seed(4)).tolist()[0]
+
+    def run(split: list[int]) -> tuple[torch.Tensor, Cache]:
+        cache, start, out = new_cache(), 0, []
+        with torch.no_grad():
+            for i, n in enumerate(split):
+                if i == len(split) - 1:  # the last forward is recorded, then cropped back: a verify forward
+                    cache.activate_past_recording()
+                out.append(model(torch.tensor([ids[start : start + n]]), cache=cache,
+                                 position_ids=torch.arange(start, start + n)[None]))  # fmt: skip
+                start += n
+            cache.crop(-7)
+            cache.crop(0)
+            out.append(model(torch.tensor([[ids[0]]]), cache=cache, position_ids=torch.tensor([[start - 7]])))
+        return torch.cat(out, 1), cache
+
+    import kvcache.models.decoder as decoder
+
+    for split in ([120], [5, 60, 55], [16, 33, 1, 70], [40, 40, 40]):
+        model.blocks_at_once = False
+        by_blocks, blocks_cache = run(split)
+        model.blocks_at_once = True
+        with monkeypatch.context() as patch:
+            patch.setattr(decoder, "in_pieces", lambda *a, **k: pytest.fail("a forward was cut in pieces"))
+            at_once, once_cache = run(split)
+        assert torch.allclose(at_once, by_blocks, rtol=0, atol=1e-12), split
+        for ours, theirs in zip(once_cache.layers, blocks_cache.layers, strict=True):
+            assert ours.state.keys() == theirs.state.keys()
+            assert all(torch.equal(ours.state[name], theirs.state[name]) for name in ours.state), split
+
+
+def test_update_blocks_takes_one_row_and_changes_nothing_otherwise() -> None:
+    layer = QuantizedLayer(4, 32)
+    layer.update(torch.randn(2, 1, 20, 8), torch.randn(2, 1, 20, 8))
+    before = {name: t.clone() for name, t in layer.state.items()}
+    with pytest.raises(CacheInputError, match="one row"):
+        layer.update_blocks(torch.randn(2, 1, 5, 8), torch.randn(2, 1, 5, 8))
+    assert all(torch.equal(layer.state[name], t) for name, t in before.items())
+    assert not Cache([layer]).in_one_forward(2, None)

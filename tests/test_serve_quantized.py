@@ -112,3 +112,29 @@ def test_transformers_models_are_served_quantized_as_alone(kind: str) -> None:
     for prompt, request in zip(prompts, requests, strict=True):
         ids = torch.tensor([prompt])
         assert request.tokens == generate(model, ids, max_new_tokens=24).sequences[0, len(prompt) :].tolist()
+
+
+def test_a_quantized_prompt_is_one_forward_and_stores_every_boundary_it_passed(quantized) -> None:
+    """A 201-token prompt into a quantized cache is prefilled in one forward (its quantized layers
+    record it, so every boundary inside it can still be taken; the forward computes all its blocks
+    at once), stores all 12 boundaries, and each holds the codes a prefill of one 16-token forward
+    per chunk stores there (float64: equal); the answer is the prompt decoded alone."""
+    from test_serve_engine import CountingModel
+
+    model, tokenizer = quantized
+    prompt = prompt_ids(tokenizer, 3, 201)
+    counting = CountingModel(model)
+    store = PrefixStore(chunk_size=16)
+    requests, _ = serve_greedy(Engine(counting, store, eos=[], max_step_tokens=512), [prompt], 3)
+    assert requests[0].tokens == alone(model, prompt, 3)
+    assert [s for s in counting.fed if s[1] > 1] == [(1, 201)]
+    assert store.stats.chunks_inserted == 12
+    chunked = PrefixStore(chunk_size=16)
+    chunked.prefill(model, prompt)  # one forward per chunk, each boundary taken at its forward's end
+    for boundary in (16, 112, 192):
+        reused, got = store.lookup(prompt[: boundary + 1], counting)
+        assert reused == boundary and chunked.lookup(prompt[: boundary + 1], model)[0] == boundary
+        want = chunked.lookup(prompt[: boundary + 1], model)[1]
+        for ours, theirs in zip(got, want, strict=True):
+            assert ours.state.keys() == theirs.state.keys()
+            assert all(torch.equal(ours.state[name], theirs.state[name]) for name in ours.state), boundary

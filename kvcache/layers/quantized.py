@@ -22,7 +22,9 @@ so per-row crops move only each row's end; a longer row still sees its own whole
 Attention gets full-precision keys/values: what was quantized before the update dequantized, then
 everything after it, the update's own tokens included, in full precision (as KIVI attends a
 prefill in full precision), so a verify forward of several tokens sees its first token's past as
-a single decode step would.
+a single decode step would. A forward of one row across several blocks may take them all at once
+(`update_blocks`): the blocks before the first query's dequantized, then everything from it in full
+precision, for a mask that shows each query what its block's one-token steps would see.
 """
 
 from __future__ import annotations
@@ -156,6 +158,37 @@ class QuantizedLayer(CacheLayer):
             self._seen_as_alone(returned, visible, seen, ahead)
         self._evict()  # after: the queries of this update see the window before them
         return returned
+
+    def update_blocks(
+        self, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]:
+        """`update` for a forward whose queries span several blocks (one row): the layer ends as
+        `update` leaves it; returned are the keys/values every query may need, the quantized ones
+        dequantized (positions `[visible, quantized)`) then the full-precision ones (`[from, end)`,
+        the update's own and the residual before them), and `(visible, quantized, from)`. Query `p`
+        sees the dequantized ones before its block and the full-precision ones of its block up to
+        itself (`blocks_bias`): what a one-token step at `p` sees, so the forward computes at once
+        what one forward per block computes (`Cache.forward_segments`)."""
+        if self.is_ragged or key_states.shape[0] != 1 or self.batch_size not in (None, 1):
+            raise CacheInputError(f"{self._name}.update_blocks takes one row (a batch goes by blocks)")
+        self._check_update(key_states, value_states)
+        visible, seen = self._first_visible(), self._quantized
+        fp_from = max(seen, visible)
+        if fp_from < self._fp_start:
+            raise CacheInputError(f"{self._name}.update_blocks: tokens from {fp_from} are not held in full precision")
+        self._fp.append(key_states, value_states)
+        self._quantize()
+        end, dequantized = self._longest(), max(self._quantized, visible)
+        out = []
+        for i, fp in enumerate(self._fp.tail(len(self._fp))):
+            whole = fp.new_empty(1, fp.shape[1], dequantized - visible + end - fp_from, fp.shape[3])
+            if dequantized > visible:
+                self._dequantize(i, visible, dequantized, whole.narrow(2, 0, dequantized - visible))
+            whole.narrow(2, dequantized - visible, end - fp_from).copy_(fp.narrow(2, fp_from - self._fp_start,
+                                                                                  end - fp_from))  # fmt: skip
+            out.append(whole)
+        self._evict()
+        return out[0], out[1], (visible, dequantized, fp_from)
 
     def _check_update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Raise `CacheInputError` unless the pair can be appended (the first fixes the groups)."""

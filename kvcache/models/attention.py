@@ -64,6 +64,25 @@ def attention_bias(
     return bias.masked_fill(~allowed, torch.finfo(dtype).min)
 
 
+def blocks_bias(past: int, length: int, geometry: tuple[int, int, int], block: int, sliding_window: int | None,
+                dtype: torch.dtype, device: torch.device) -> torch.Tensor:  # fmt: skip
+    """Additive mask `[1, 1, length, keys]` over what a quantized layer's `update_blocks` returned
+    (`geometry`: `(visible, quantized, from)`: dequantized keys of positions `[visible,
+    quantized)`, then full-precision ones of `[from, past + length)`): query `p = past + i` sees
+    the dequantized keys before its block (`p // block * block`) and the full-precision ones from
+    there to itself, within the window, as a one-token step at `p` would."""
+    visible, quantized, fp_from = geometry
+    p = past + torch.arange(length, device=device)[:, None]
+    own = p // block * block
+    t_quantized = torch.arange(visible, quantized, device=device)[None]
+    t_full = torch.arange(fp_from, past + length, device=device)[None]
+    allowed = torch.cat([t_quantized < own, (t_full >= own) & (t_full <= p)], dim=1)
+    if sliding_window is not None:
+        allowed &= p - torch.cat([t_quantized, t_full], dim=1) < sliding_window
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return bias.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, *,
            is_causal: bool = False) -> torch.Tensor:  # fmt: skip
     """Softmax attention `[batch, heads, q, head_dim]` (`scaled_dot_product_attention`); `k`/`v`

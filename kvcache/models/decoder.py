@@ -82,6 +82,9 @@ class DecoderLM(nn.Module):
 
     #: The block built for each layer index; subclasses (the hybrid model) swap in their own.
     block_class: type[nn.Module] = DecoderBlock
+    #: A forward crossing quantized blocks is computed at once where the cache can (`Cache.in_one_forward`),
+    #: not one forward per block: the blocks' attention takes `blocks=True`.
+    blocks_at_once: bool = True
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -137,7 +140,9 @@ class DecoderLM(nn.Module):
         check_logits_to_keep(logits_to_keep)
         batch, length = input_ids.shape
         pieces = cache.forward_segments(length) if cache is not None else [length]
-        if len(pieces) > 1:
+        at_once = len(pieces) > 1 and self.blocks_at_once and len(cache.layers) >= len(self.layers) \
+            and cache.in_one_forward(batch, attention_mask)  # fmt: skip
+        if len(pieces) > 1 and not at_once:
             return in_pieces(self.forward, pieces, input_ids, cache, attention_mask, position_ids, past_length,
                              logits_to_keep)  # fmt: skip
         rows_past = past_lengths(cache, input_ids.device)  # per row once a per-row crop left them ragged
@@ -145,8 +150,10 @@ class DecoderLM(nn.Module):
             position_ids = default_position_ids(batch, length, rows_past, attention_mask, input_ids.device)
         x = self.embed(input_ids)
         masks: dict[tuple, torch.Tensor] = {}  # attention masks this forward's layers share
+        blocks = {"blocks": True} if at_once else {}  # quantized layers: every piece's queries at once
         for block in self.layers:
-            x = block(x, position_ids, cache=cache, past_length=rows_past, attention_mask=attention_mask, masks=masks)
+            x = block(x, position_ids, cache=cache, past_length=rows_past, attention_mask=attention_mask, masks=masks,
+                      **blocks)  # fmt: skip
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         return self.lm_head(self.norm(x))

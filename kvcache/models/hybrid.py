@@ -188,6 +188,7 @@ class HybridLM(DecoderLM):
     `HybridLayer`s (`new_cache` builds them from the layer types)."""
 
     block_class = HybridBlock
+    blocks_at_once = False  # its blocks feed quantized layers one forward per block
 
     def set_return_intermediate_states(self, enabled: bool) -> None:
         """Hand per-token recurrent states to the cache, so `crop` can land inside a multi-token step."""

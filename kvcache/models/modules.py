@@ -18,7 +18,7 @@ from torch import nn
 
 from ..cache import Cache
 from ..errors import CacheInputError, KVCacheError
-from .attention import attend, attention_bias, masked_attention
+from .attention import attend, attention_bias, blocks_bias, masked_attention
 
 __all__ = ["attend", "attention_bias", "masked_attention"]  # re-exported: the models import them from here
 
@@ -217,7 +217,10 @@ class SelfAttention(nn.Module):
         past_length: int | torch.Tensor,
         attention_mask: torch.Tensor | None,
         masks: dict[tuple, torch.Tensor] | None = None,
+        blocks: bool = False,
     ) -> torch.Tensor:
+        """`blocks`: the forward's queries span several quantized blocks, computed at once
+        (`Cache.update_blocks`, `blocks_bias`), one row without padding."""
         batch, length, _ = x.shape
         q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -228,6 +231,16 @@ class SelfAttention(nn.Module):
             kv_length, kv_offset = length, 0
         elif not self.causal:
             raise CacheInputError("a non-causal (encoder) attention layer takes no cache")
+        elif blocks and hasattr(cache.layers[self.layer_idx], "update_blocks"):  # (other layers: as usual)
+            k, v, geometry = cache.update_blocks(k, v, self.layer_idx)
+            block = cache.layers[self.layer_idx].forward_block
+            key = ("blocks", past_length, length, geometry, block, self.sliding_window)
+            bias = None if masks is None else masks.get(key)
+            if bias is None:
+                bias = blocks_bias(past_length, length, geometry, block, self.sliding_window, q.dtype, q.device)
+                if masks is not None:
+                    masks[key] = bias
+            return self.o_proj(attend(q, k, v, bias).transpose(1, 2).reshape(batch, length, -1))
         else:
             kv_length, kv_offset = cache.get_mask_sizes(length, self.layer_idx)
             if attention_mask is not None and attention_mask.shape[1] >= length:

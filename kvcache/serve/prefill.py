@@ -30,6 +30,7 @@ from ..layers.empty import EmptyLayer
 from ..layers.sliding import SlidingWindowLayer
 from ..protocol import last_logits, takes_logits_to_keep
 from ..store.payloads import capture_back, prefill_span
+from ..store.quant_payloads import quantized_capturable
 from . import rows as batch_rows
 
 
@@ -69,8 +70,9 @@ def feed(engine: Any, request: Any, budget: int) -> tuple[int, torch.Tensor | No
     end = held + n
     ids = torch.tensor([prompt[held:end]], dtype=torch.long, device=engine.device)
     positions = torch.arange(held, end, device=engine.device)[None]
-    windows = [layer for layer in cache if type(layer) is SlidingWindowLayer] if n > chunk else []
-    for layer in windows:  # keep the block's tokens past the window until its chunks are taken
+    windows = [layer for layer in cache if type(layer) is SlidingWindowLayer or quantized_capturable(layer, chunk)
+               ] if n > chunk else []  # fmt: skip
+    for layer in windows:  # keep the block's tokens past the window (and every boundary's codes) until taken
         layer.activate_past_recording()
     logits = engine.model(ids, cache=cache, position_ids=positions, **last_logits(engine.model))
     session.fed(n, lambda s, e: [capture_back(layer, s, e, end) for layer in cache])

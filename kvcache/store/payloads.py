@@ -143,20 +143,25 @@ def capture_back(layer: CacheLayer, start: int, end: int, held: int) -> Payload:
                            .clone(), layer.sliding_window)  # fmt: skip
     if type(layer).__name__ == "EmptyLayer":
         return capture(layer, start, end)
+    if quantized_capturable(layer, end - start):  # recording: the forward's codes and copies are held
+        return capture_quantized(layer, start, end, held)  # type: ignore[arg-type]
     raise ValueError(f"{type(layer).__name__} keeps no state for a boundary {held - end} token(s) back")
 
 
 def prefill_span(layer: CacheLayer, chunk: int) -> int:
     """The most tokens one prefill forward into `layer` may feed (from a chunk boundary) while every
     chunk boundary it passes can still be captured afterwards (`capture_back`): any number for
-    full attention, and for a sliding window at least a chunk wide that records the forward (it
-    then keeps the forward's tokens past its window until the commit); one chunk for layers that
-    keep only their latest state (recurrent, quantized, narrow windows)."""
+    full attention, for a sliding window at least a chunk wide and for quantized layers, which
+    record the forward (keeping its tokens past the window, and the codes and full-precision
+    copies of every boundary, until the commit); one chunk for layers that keep only their latest
+    state (recurrent, narrow windows)."""
     if isinstance(layer, HybridLayer):
         return min(prefill_span(layer.attention, chunk), prefill_span(layer.recurrent, chunk))
     if type(layer) is DynamicLayer or type(layer).__name__ == "EmptyLayer":
         return 1 << 62
     if type(layer) is SlidingWindowLayer and layer.sliding_window - 1 >= chunk:
+        return 1 << 62
+    if quantized_capturable(layer, chunk):  # recording the forward: it keeps every boundary's codes
         return 1 << 62
     return chunk
 

@@ -103,8 +103,10 @@ def quantized_capturable(layer: object, chunk: int) -> bool:
     return type(layer) in (QuantizedLayer, QuantizedSlidingWindowLayer)
 
 
-def capture_quantized(layer: QuantizedLayer, start: int, end: int) -> QuantDelta:
-    """The chunk `[start, end)` of `layer` (batch 1, holding exactly `end` tokens)."""
+def capture_quantized(layer: QuantizedLayer, start: int, end: int, held: int | None = None) -> QuantDelta:
+    """The chunk `[start, end)` of `layer` (batch 1, holding exactly `end` tokens; or `held` more,
+    for a boundary a prefill forward passed over: the layer recorded the forward, so it still
+    holds that boundary's codes and full-precision part)."""
     layout = _layout(layer)
     fp_k, fp_v = layer._fp.tail(len(layer._fp))
     low, high = layout.span(start, end)
@@ -125,7 +127,11 @@ def capture_quantized(layer: QuantizedLayer, start: int, end: int) -> QuantDelta
                   (key_params, pdtype), (value_params, pdtype))  # fmt: skip
         parts = [fp_k.new_empty(1, heads, 0, width, dtype=dtype) for width, dtype in widths]
     res_from = layout.full_precision_from(end) - layer._fp_start
-    residual = [t.narrow(2, res_from, t.shape[2] - res_from).clone() for t in (fp_k, fp_v)]
+    if res_from < 0 or (held is not None and held != layer._longest()):
+        raise ValueError(f"the full-precision tokens of boundary {end} are not held (the layer keeps them from "
+                         f"{layer._fp_start})")  # fmt: skip
+    stop = end - layer._fp_start
+    residual = [t.narrow(2, res_from, stop - res_from).clone() for t in (fp_k, fp_v)]
     return QuantDelta(*parts, *residual, layer.bits, layer.group_size, layer.residual, layout.window,
                       end - start, layer.key_groups, layer.value_groups)  # fmt: skip
 
