@@ -272,12 +272,13 @@ class QuantizedLayer(CacheLayer):
         back = self._quantized - first
         return self._q.span(i, back, stop - first), self._p.span(i, back, stop - first), first
 
-    def _dequantize_held(self, i: int, data: torch.Tensor, params: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _dequantize_held(self, i: int, data: torch.Tensor, params: torch.Tensor, dtype: torch.dtype,
+                         out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """Quantized keys (`i` 0) or values (1) as `_held` gives them (whole blocks per channel),
-        or several such concatenated along tokens, in `dtype`."""
+        or several such concatenated along tokens, in `dtype` (into `out` when given)."""
         if self._per_channel[i]:
-            return dequantize_channels(data, params, self.bits, self.residual, dtype)
-        return dequantize(data, params, self.bits, self._group, dtype)
+            return dequantize_channels(data, params, self.bits, self.residual, dtype, out=out)
+        return dequantize(data, params, self.bits, self._group, dtype, out=out)
 
     def _dequantize(self, i: int, start: int, stop: int, out: torch.Tensor) -> None:
         """Quantized keys (`i` 0) or values (1) of positions `[start, stop)` into `out`."""

@@ -72,10 +72,14 @@ def _lay_out(taken: list[_Taken], keys: torch.Tensor, values: torch.Tensor) -> N
                 fps.append(row._fp.span(i, longest - split, longest - split))
                 fp_places.append((b, slot + split - start, fp_at, longest - split))
                 fp_at += longest - split
+        # the dequantized parts, then the full-precision ones, in one buffer: the large part is
+        # written where it stays, not copied again by a concatenation
+        source = out.new_empty(1, out.shape[1], at + fp_at, out.shape[3])
         if data:
             joined = [torch.cat(parts, 2) if len(parts) > 1 else parts[0] for parts in (data, params)]
-            fps.insert(0, like._dequantize_held(i, *joined, out.dtype))
-        source = torch.cat(fps, 2) if len(fps) > 1 else fps[0]
+            like._dequantize_held(i, *joined, out.dtype, out=source.narrow(2, 0, at))
+        if fps:
+            source.narrow(2, at, fp_at).copy_(torch.cat(fps, 2) if len(fps) > 1 else fps[0])
         placed = (*places, *((b, slot, at + src, n) for b, slot, src, n in fp_places))
         rows, slots, picks = _placement(placed, out.device)
         out[rows, :, slots] = (source[0] if picks is None else source[0].index_select(1, picks)).transpose(0, 1)
