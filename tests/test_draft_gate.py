@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from kvcache.generation.draft_schedule import DraftAudit, DraftGate
+from kvcache.generation.draft_schedule import DraftAudit, DraftGate, packed_tokens
 from kvcache.generation.forward_cost import ForwardCost
 
 
@@ -135,6 +135,33 @@ def test_a_batch_feeds_the_width_its_rows_matches_pay_for() -> None:
     assert max(mixed) == 6 and sum(k > 0 for k in mixed[10:]) >= 0.9 * len(mixed[10:])
     assert sum(k > 0 for k in short[5:]) <= 2
     assert gate.batch_width([(0, 0)] * 8, 6) == 0  # nothing offered: nothing fed
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_packed_batch_drafts_for_the_one_row_whose_match_pays(packed: bool) -> None:
+    """One row of eight offers 6-token drafts on a long match (right 95% of the time), the others
+    nothing. Padded to one width, a forward costs 1 + 0.15 k plain steps: the one row's 5 more
+    tokens never pay for 8 rows' 6 more each, so the batch steps plainly. Packed, a forward costs
+    what its draft tokens cost (1 + 0.15 k / 8 here: one row's k tokens of a batch of 8), and
+    the row drafts its whole 6 (starting from one token: the ramp), but for the plain steps that
+    re-anchor a close call now and then."""
+    gate, coins = DraftGate(6, packed=packed), random.Random(3)
+    rows = [(6, 8)] + [(0, 0)] * 7
+    chosen = []
+    for _ in range(60):
+        k = gate.batch_width(rows, 6)
+        fed = packed_tokens([1 + min(n, k) for n, _ in rows]) if packed else 1 + k
+        seconds = 1 + 0.15 * (fed - 1) / (8 if packed else 1)
+        right = 0
+        while right < (k or 1) and coins.random() < 0.95:
+            right += 1
+        judged = [(k or 1, right, 8)] + [(0, 0, 0)] * 7
+        gate.record_batch(k, seconds, judged, 8 + (right if k else 0), 0.0, 6, fed if packed else None)
+        chosen.append(k)
+    if packed:
+        assert max(chosen) == 6 and sum(k == 6 for k in chosen[20:]) >= 0.7 * len(chosen[20:]), chosen
+    else:
+        assert sum(k > 0 for k in chosen[10:]) <= 0.1 * len(chosen[10:]), chosen
 
 
 def test_a_refeeding_target_is_charged_for_rejections() -> None:

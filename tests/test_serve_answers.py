@@ -228,6 +228,15 @@ def scorer():
     return score, tokenizer
 
 
+def close_logprobs(given: list, expected: list) -> bool:
+    """Two requests' log probabilities of the same tokens: equal within float64 rounding (the two
+    may have been decoded in other forwards: a verify forward, a batch's step, a store hit)."""
+    return len(given) == len(expected) and all(
+        a is b is None or (a is not None and b is not None and math.isclose(a, b, abs_tol=TOLERANCE))
+        for a, b in zip(given, expected, strict=True)
+    )
+
+
 def check_echoed(given, ids: list[int], expected: torch.Tensor, tokenizer, top: int) -> None:
     """The prompt's part of an echoed completion's `logprobs`: its first token has none, each later
     one the reference's log probability and its top alternatives."""
@@ -266,7 +275,7 @@ def test_echo_returns_the_prompt_and_its_log_probabilities_before_the_answer(ser
             assert len(given.tokens) == len(ids) + max_tokens and answer.usage.completion_tokens == max_tokens
             if alone:
                 rest = alone.choices[0].logprobs
-                assert given.token_logprobs[len(ids) :] == rest.token_logprobs
+                assert close_logprobs(given.token_logprobs[len(ids) :], rest.token_logprobs)
                 assert given.text_offset[len(ids) :] == [len(text) + o for o in rest.text_offset]
             assert choice.finish_reason == "length"
     chunks = list(c.completions.create(model=MODEL, prompt=text, max_tokens=6, temperature=0, echo=True, logprobs=2,
@@ -276,7 +285,16 @@ def test_echo_returns_the_prompt_and_its_log_probabilities_before_the_answer(ser
     assert "".join(ch.choices[0].text for ch in chunks) == whole.choices[0].text
     for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
         streamed = [v for ch in chunks if ch.choices[0].logprobs for v in getattr(ch.choices[0].logprobs, field)]
-        assert streamed == getattr(whole.choices[0].logprobs, field)
+        expected_field = getattr(whole.choices[0].logprobs, field)
+        if field == "token_logprobs":
+            assert close_logprobs(streamed, expected_field)
+        elif field == "top_logprobs":
+            assert [None if t is None else list(t) for t in streamed] == \
+                [None if t is None else list(t) for t in expected_field]  # fmt: skip
+            assert all(a is b is None or close_logprobs(list(a.values()), list(b.values()))
+                       for a, b in zip(streamed, expected_field, strict=True))  # fmt: skip
+        else:
+            assert streamed == expected_field
     plain = c.completions.create(model=MODEL, prompt=text, max_tokens=3, temperature=0, echo=True)
     assert plain.choices[0].text.startswith(text) and plain.choices[0].logprobs is None
     unset = c.completions.create(model=MODEL, prompt=text, max_tokens=3, temperature=0, extra_body={"echo": None})

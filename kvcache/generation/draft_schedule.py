@@ -78,6 +78,14 @@ class DraftAudit:
             self._priced, self._gain = 0, 0.0
 
 
+def packed_tokens(counts: list[int]) -> int:
+    """What a packed forward feeding `counts` tokens per row (each row's pending token and its
+    draft) is priced as in a batch's cost model: one plus the draft tokens of all its rows. A row's
+    draft costs what its tokens cost, whichever rows feed them: one row drafting 6 tokens in a
+    batch of 8 is priced as 7, as one row of a batch of 1 drafting 6 would be, and measured so."""
+    return 1 + sum(counts) - len(counts)
+
+
 class DraftGate:
     """How many tokens the next step drafts, chosen by expected tokens per second, measured in
     this run (the default schedule for greedy decoding).
@@ -117,8 +125,10 @@ class DraftGate:
     #: from the overall one, weighing this many judged tokens.
     MATCH_PRIOR_WEIGHT = 2.0
 
-    def __init__(self, maximum: int) -> None:
-        self.maximum = maximum
+    def __init__(self, maximum: int, *, packed: bool = False) -> None:
+        """`packed`: a batch's verify forward computes each row's own draft, not the widest
+        (`batch_width`)."""
+        self.maximum, self.packed = maximum, packed
         self.cost = ForwardCost()
         self.accepted, self.judged = self.PRIOR_ACCEPTANCE * self.PRIOR_WEIGHT, self.PRIOR_WEIGHT
         self.draft_seconds = 0.0  # decayed seconds and tokens of the drafter's proposals
@@ -262,9 +272,14 @@ class DraftGate:
         shorter ones padded (a batch feeds one width): `rows` gives each row's offered draft as
         `(tokens, match)`. The width whose expected tokens per second, summed over the rows, is the
         highest; 0 when none beats plain steps by `MARGIN` (or while audited losses pause).
-        `acceptance`: one for every row, instead of each match length's."""
+        `acceptance`: one for every row, instead of each match length's. A `packed` gate's
+        forwards compute each row's own tokens only (a model that `packs_rows`), so a width costs
+        what the draft tokens it feeds cost (`packed_tokens`), not the padded rectangle. Whether to
+        draft is decided by the best width the offered drafts allow; the width fed is then at most
+        the ramp (`budget`'s: a first try costs one token), which grows as drafts are accepted whole
+        (a width of one token may not pay where the whole does: one row of eight drafting)."""
         most = max((n for n, _ in rows), default=0)
-        allowed = 0 if self.audit.paused else min(allowed, self.ramp, most)
+        allowed = 0 if self.audit.paused else min(allowed, most)
         cost = self.batch_cost(len(rows))
         plain = cost(1)
         if allowed <= 0 or plain is None:
@@ -274,14 +289,15 @@ class DraftGate:
         emitted = float(len(rows))
         for k in range(1, allowed + 1):
             emitted += sum(a**k for n, a in rates if n >= k)
-            rate = emitted / cost(1 + k)  # type: ignore[operator]
+            fed = packed_tokens([1 + min(n, k) for n, _ in rows]) if self.packed else 1 + k
+            rate = emitted / cost(fed)  # type: ignore[operator]
             if rate > best_rate:
                 best, best_rate = k, rate
         anchor_every = ForwardCost.QUIET if cost.anchored else ForwardCost.ANCHOR
         close = best and best_rate * plain < self.REFRESH * self.MARGIN * len(rows)
         if close and (cost.since_plain >= anchor_every or cost.leaving):
             return 0
-        return best
+        return min(best, self.ramp)
 
     def batch_cost(self, rows: int) -> ForwardCost:
         """The cost model of batches of about `rows` rows (1, 2-3, 4-7, ...: one per power of two).
@@ -308,14 +324,15 @@ class DraftGate:
         return asked
 
     def record_batch(self, width: int, forward_seconds: float, judged: list[tuple[int, int, int]], emitted: int,
-                     draft_seconds: float, drafted: int) -> None:  # fmt: skip
+                     draft_seconds: float, drafted: int, fed: int | None = None) -> None:  # fmt: skip
         """A batch's verify forward of `width` draft tokens per row (0: a plain step) and its
         seconds; `judged`: each row's `(proposed, accepted, match)` (shadows included: a plain
         step's offered first tokens), `emitted` tokens in all, and proposing `drafted` tokens took
-        `draft_seconds`."""
+        `draft_seconds`; `fed`: the tokens per row it is priced as (a packed forward's
+        `packed_tokens`; default `1 + width`)."""
         rows = max(len(judged), 1)
         whole = bool(width) and any(p and a == p for p, a, _ in judged)  # a row's draft was right: may grow
-        self._measured(1 + width, forward_seconds, emitted / rows, draft_seconds if width else 0.0, whole,
+        self._measured(fed or 1 + width, forward_seconds, emitted / rows, draft_seconds if width else 0.0, whole,
                        self.batch_cost(len(judged)))  # fmt: skip
         if drafted:
             self._drafter_spent(draft_seconds, drafted)

@@ -90,9 +90,11 @@ class BatchRunner:
         self.pads: list[int] = []
         self.held: list[int] = []
         self.forwards = 0
+        #: the model leaves a row's fillers out of its linear layers (`tokens_per_row`)
+        self.packs_rows = bool(getattr(model, "packs_rows", False)) and not self.encoder
 
     def _call(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
-              keep: dict[str, int] | None = None) -> torch.Tensor:  # fmt: skip
+              keep: dict[str, Any] | None = None) -> torch.Tensor:  # fmt: skip
         with torch.no_grad():
             logits = self.model(input_ids, cache=self.cache, attention_mask=mask, position_ids=position_ids,
                                 **self.encoder, **(keep or {}))  # fmt: skip
@@ -124,13 +126,16 @@ class BatchRunner:
         self.forwards = 0  # count decoding forwards only
 
     def feed(self, rows: list[list[int]], filler: list[int]) -> torch.Tensor:
-        """Run one forward on each row's tokens (shorter rows padded with their `filler` token);
-        return the logits `[batch, longest, vocab]`. Every fed token, filler included, is held."""
+        """Run one forward on each row's tokens (shorter rows padded with their `filler` token,
+        left out of the computation where the model `packs_rows`); return the logits `[batch,
+        longest, vocab]` (a filler's unspecified). Every fed token, filler included, is held."""
         width = max(len(r) for r in rows)
         ids = torch.tensor([r + [f] * (width - len(r)) for r, f in zip(rows, filler, strict=True)], device=self.device)
         start = torch.tensor(self.held, device=self.device)[:, None]
         mask = self._mask(width)
-        logits = self._call(ids, start + torch.arange(width, device=self.device), mask)
+        counts = [len(r) for r in rows]
+        packing = {"tokens_per_row": counts} if self.packs_rows and min(counts) < width else None
+        logits = self._call(ids, start + torch.arange(width, device=self.device), mask, packing)
         self.held = [h + width for h in self.held]
         return logits
 

@@ -120,15 +120,20 @@ def masked_attention(
             return _prefix_then_causal(q, k, v, prefix)  # a prefill block onto a cache
         if sliding_window is not None and query_length > 2 * sliding_window:
             return _windowed(q, k, v, past_length, kv_offset, sliding_window)
+    # `masks` lives for one forward, whose layers share its padding mask and per-row lengths: those
+    # objects (by identity) and the geometry say which layers can share a mask (a compiled forward
+    # shares only masks of int lengths without padding: identities would be guarded on, and recompile)
+    fixed = isinstance(past_length, int) and attention_mask is None
+    shared = masks is not None and (fixed or not torch.compiler.is_compiling())
     key = (query_length, kv_length, kv_offset, sliding_window, causal,
-           None if isinstance(past_length, torch.Tensor) else past_length)  # fmt: skip
-    bias = None if masks is None or key[-1] is None or attention_mask is not None else masks.get(key)
+           past_length if fixed else (id(past_length), id(attention_mask)))  # fmt: skip
+    bias = masks.get(key) if shared else None  # type: ignore[union-attr]
     if bias is None:
         bias = attention_bias(query_length=query_length, past_length=past_length, kv_length=kv_length,
                               kv_offset=kv_offset, sliding_window=sliding_window, attention_mask=attention_mask,
                               dtype=q.dtype, device=q.device, causal=causal)  # fmt: skip
-        if masks is not None and key[-1] is not None and attention_mask is None:
-            masks[key] = bias
+        if shared:
+            masks[key] = bias  # type: ignore[index]
     return attend(q, k, v, bias)
 
 

@@ -23,6 +23,7 @@ from .modules import (
     init_weights,
     past_lengths,
 )
+from .packing import Packing, check_tokens_per_row
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 
@@ -85,6 +86,9 @@ class DecoderLM(nn.Module):
     #: A forward crossing quantized blocks is computed at once where the cache can (`Cache.in_one_forward`),
     #: not one forward per block: the blocks' attention takes `blocks=True`.
     blocks_at_once: bool = True
+    #: `tokens_per_row` leaves a forward's fillers out of the linear layers (`Packing`); a model
+    #: whose mixers need every position (the hybrid's recurrence) computes them all.
+    packs_rows: bool = True
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -132,28 +136,38 @@ class DecoderLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         logits_to_keep: int = 0,
+        tokens_per_row: list[int] | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits of the new tokens `input_ids` `[batch, new]` (of the last `logits_to_keep` of
-        them, when not 0), appending to `cache`."""
+        them, when not 0), appending to `cache`. `tokens_per_row`: row b's real tokens are its
+        first `tokens_per_row[b]`; the positions after them are fillers, whose logits and cache
+        entries are unspecified (zeros where they are left out, `Packing`; the caller crops them)."""
         past_length = cache.get_seq_length() if cache is not None else 0
         check_inputs(input_ids, self.vocab_size, attention_mask, position_ids, past_length)
         check_logits_to_keep(logits_to_keep)
         batch, length = input_ids.shape
+        counts = check_tokens_per_row(tokens_per_row, batch, length)
         pieces = cache.forward_segments(length) if cache is not None else [length]
         at_once = len(pieces) > 1 and self.blocks_at_once and len(cache.layers) >= len(self.layers) \
             and cache.in_one_forward(batch, attention_mask)  # fmt: skip
-        if len(pieces) > 1 and not at_once:
+        if len(pieces) > 1 and not at_once:  # (fillers computed: a piece may hold only a row's fillers)
             return in_pieces(self.forward, pieces, input_ids, cache, attention_mask, position_ids, past_length,
                              logits_to_keep)  # fmt: skip
         rows_past = past_lengths(cache, input_ids.device)  # per row once a per-row crop left them ragged
         if position_ids is None:
             position_ids = default_position_ids(batch, length, rows_past, attention_mask, input_ids.device)
+        packing = Packing.of(counts, batch, length, input_ids.device) if self.packs_rows and not at_once else None
         x = self.embed(input_ids)
-        masks: dict[tuple, torch.Tensor] = {}  # attention masks this forward's layers share
-        blocks = {"blocks": True} if at_once else {}  # quantized layers: every piece's queries at once
+        masks: dict[tuple, Any] = {}  # attention masks and rotary angles this forward's layers share
+        extra: dict[str, Any] = {"blocks": True} if at_once else {}  # quantized layers: every piece's queries at once
+        if packing is not None:
+            x, extra = packing.pack(x), {"packing": packing}
         for block in self.layers:
             x = block(x, position_ids, cache=cache, past_length=rows_past, attention_mask=attention_mask, masks=masks,
-                      **blocks)  # fmt: skip
+                      **extra)  # fmt: skip
+        if packing is not None:
+            head = lambda h: self.lm_head(self.norm(h))  # noqa: E731
+            return packing.unpack_last(x, logits_to_keep or length, head)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         return self.lm_head(self.norm(x))

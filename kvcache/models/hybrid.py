@@ -189,6 +189,7 @@ class HybridLM(DecoderLM):
 
     block_class = HybridBlock
     blocks_at_once = False  # its blocks feed quantized layers one forward per block
+    packs_rows = False  # its recurrence and convolutions read every position: fillers are computed
 
     def set_return_intermediate_states(self, enabled: bool) -> None:
         """Hand per-token recurrent states to the cache, so `crop` can land inside a multi-token step."""

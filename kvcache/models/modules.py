@@ -19,6 +19,7 @@ from torch import nn
 from ..cache import Cache
 from ..errors import CacheInputError, KVCacheError
 from .attention import attend, attention_bias, blocks_bias, masked_attention
+from .packing import Packing
 
 __all__ = ["attend", "attention_bias", "masked_attention"]  # re-exported: the models import them from here
 
@@ -218,14 +219,26 @@ class SelfAttention(nn.Module):
         attention_mask: torch.Tensor | None,
         masks: dict[tuple, torch.Tensor] | None = None,
         blocks: bool = False,
+        packing: Packing | None = None,
     ) -> torch.Tensor:
         """`blocks`: the forward's queries span several quantized blocks, computed at once
-        (`Cache.update_blocks`, `blocks_bias`), one row without padding."""
-        batch, length, _ = x.shape
-        q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rotary_cos_sin(position_ids, self.head_dim, self.rope_theta, x.dtype)
+        (`Cache.update_blocks`, `blocks_bias`), one row without padding. `packing`: `x` holds the
+        forward's real tokens only (`[tokens, dim]`); the rest of the rectangle is zeros here."""
+        batch, length = (packing.batch, packing.length) if packing is not None else x.shape[:2]
+
+        def heads(linear: nn.Linear, count: int) -> torch.Tensor:
+            y = linear(x) if packing is None else packing.unpack(linear(x))
+            return y.view(batch, length, count, self.head_dim).transpose(1, 2)
+
+        q, k, v = heads(self.q_proj, self.num_heads), heads(self.k_proj, self.num_kv_heads), \
+            heads(self.v_proj, self.num_kv_heads)  # fmt: skip
+        angles = ("rotary", self.head_dim, self.rope_theta, q.dtype)  # the same for every layer of a forward
+        cos_sin = None if masks is None else masks.get(angles)
+        if cos_sin is None:
+            cos_sin = rotary_cos_sin(position_ids, self.head_dim, self.rope_theta, q.dtype)
+            if masks is not None:
+                masks[angles] = cos_sin
+        cos, sin = cos_sin
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is None:
             kv_length, kv_offset = length, 0
@@ -257,4 +270,5 @@ class SelfAttention(nn.Module):
         out = masked_attention(q, k, v, past_length=past_length, kv_offset=kv_offset,
                                sliding_window=self.sliding_window, attention_mask=attention_mask, causal=self.causal,
                                masks=masks)  # fmt: skip
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+        out = out.transpose(1, 2).reshape(batch, length, -1)
+        return self.o_proj(out if packing is None else packing.pack(out))

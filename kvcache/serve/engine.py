@@ -129,7 +129,9 @@ class Engine:
         self.suffix_corpus = suffix_corpus
         #: how many draft tokens the batch feeds (drafters that say their match: not a draft model)
         adaptive = speculative and draft_model is None and draft_schedule == "adaptive"
-        self.draft_gate = DraftGate(speculative) if adaptive else None
+        #: the model leaves a forward's fillers out (`tokens_per_row`): verify forwards and grouped rests
+        self.packs_rows = bool(getattr(model, "packs_rows", False))
+        self.draft_gate = DraftGate(speculative, packed=self.packs_rows) if adaptive else None
         self.draft_width = 0 if adaptive else speculative  # draft tokens per row the last step fed
         self.draft_rows = draft_rows
         if getattr(model, "ragged_refusal", None):  # rows cropped by different counts could not be masked

@@ -147,7 +147,8 @@ def feed_past_together(engine: Any, requests: list[Any]) -> list[torch.Tensor]:
     batch stacks rows (right-aligned, left padding), the rests right-padded to the longest. Each
     row's real tokens stay contiguous (a sliding window sees the distances it would alone); what a
     row's padding computes lies after its last token, where no query of the row looks, and is left
-    out of its row state. Stores each prompt's chunk boundaries; gives each request `rows`.
+    out of its row state (and out of the computation, where the model `packs_rows`). Stores each
+prompt's chunk boundaries; gives each request `rows`.
     Returns each one's last logits `[1, vocab]`."""
     device = engine.device
     cache, pads = batch_rows.stack([batch_rows.single(r.cache) for r in requests])
@@ -161,7 +162,9 @@ def feed_past_together(engine: Any, requests: list[Any]) -> list[torch.Tensor]:
         if type(layer) is SlidingWindowLayer:  # keeps every row's tokens, whatever a longer row fed after them
             layer.activate_past_recording()
     keep = width - min(map(len, rests)) + 1  # the columns holding some row's last token
-    kwargs = {"logits_to_keep": keep} if takes_logits_to_keep(engine.model) else {}
+    kwargs: dict[str, Any] = {"logits_to_keep": keep} if takes_logits_to_keep(engine.model) else {}
+    if engine.packs_rows and keep > 1:  # the shorter rests' padding is left out of the linear layers
+        kwargs["tokens_per_row"] = [len(rest) for rest in rests]
     logits = engine.model(ids, cache=cache, attention_mask=mask, position_ids=positions, **kwargs)[:, -keep:]
     out = []
     for b, (request, pad, held) in enumerate(zip(requests, pads, past, strict=True)):

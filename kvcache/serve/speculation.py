@@ -10,10 +10,11 @@ drafts are fed whole. A row's draft stops at its next chunk boundary, so a row's
 exactly and the prefix store can take the state there (a step past a boundary would leave no
 state at it), and at its next quantized block boundary (a verify forward's queries then see what
 single steps would see quantized: `Cache.forward_segments`). Rows with shorter drafts are padded
-with their own last token, never accepted. The acceptance rule is the speculative-decoding one
-(`kvcache.generation.speculative`): greedy rows keep the drafts the target's argmax agrees with,
-sampling rows follow the speculative-sampling rule, so the output is the target's own either way
-(for lookup drafts, a seeded row's very tokens).
+with their own last token, never accepted; a model that `packs_rows` leaves those fillers out of its
+linear layers (`tokens_per_row`), and the gate prices such a forward by the tokens it computes.
+The acceptance rule is the speculative-decoding one (`kvcache.generation.speculative`): greedy rows
+keep the drafts the target's argmax agrees with, sampling rows follow the speculative-sampling rule,
+so the output is the target's own either way (for lookup drafts, a seeded row's very tokens).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..generation.draft_schedule import packed_tokens
 from ..generation.drafters import Draft, Drafter
 from ..generation.speculative import Verifier
 from ..generation.switches import holds_recurrent_states
@@ -69,14 +71,19 @@ def speculative_step(engine: Any) -> None:
         most = gate.batch_width([(len(d.tokens), d.match) for d in offered], engine.speculative)
         drafts = [_cut(d, most) for d in offered]
     width = 1 + max(len(d.tokens) for d in drafts)
-    engine.draft_width = width - 1  # what the next turn's prefill budget leaves for these rows
+    counts = [1 + len(d.tokens) for d in drafts]
+    packed = engine.packs_rows and width > 1  # each row computes its own tokens, not the rectangle
+    fed = packed_tokens(counts) if packed else width  # what the gate prices the forward as
+    # what the next turn's prefill budget leaves for these rows: their draft tokens, per row
+    engine.draft_width = -(-(fed - 1) // len(rows)) if packed else width - 1
     drafted = time.perf_counter()
     padded = [[r.pending, *d.tokens, *[r.pending] * (width - 1 - len(d.tokens))]
               for r, d in zip(rows, drafts, strict=True)]
     ids = torch.tensor(padded, dtype=torch.long, device=engine.device)
     if width > 1:
         cache.activate_past_recording()
-    logits = engine.model(ids, cache=cache, **engine.row_inputs(width))
+    packing = {"tokens_per_row": counts} if packed else {}
+    logits = engine.model(ids, cache=cache, **engine.row_inputs(width), **packing)
     choices = logits.argmax(-1).tolist()  # every greedy row's choices in one host transfer
     verdicts = [_greedy(draft, choices[b]) if not (verifier.do_sample or verifier.sampling.logit_bias)
                 else verifier.verify(draft, logits[b, : len(draft.tokens) + 1])
@@ -91,7 +98,7 @@ def speculative_step(engine: Any) -> None:
                   else (min(len(o.tokens), 1), int(bool(o.tokens) and o.tokens[0] == emitted[0]), o.match)
                   for d, o, (accepted, emitted) in zip(drafts, offered, verdicts, strict=True)]  # fmt: skip
         gate.record_batch(width - 1, time.perf_counter() - drafted, judged, sum(len(e) for _, e in verdicts),
-                          drafted - started, sum(len(o.tokens) for o in offered))  # fmt: skip
+                          drafted - started, sum(len(o.tokens) for o in offered), fed)  # fmt: skip
     keep = []
     for b, (request, draft, (accepted, emitted)) in enumerate(zip(rows, drafts, verdicts, strict=True)):
         request.session.advance([request.pending, *draft.tokens[:accepted]], engine.row_capture(b))
