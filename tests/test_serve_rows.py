@@ -1,6 +1,7 @@
 """The server's running batch: a join lays the rows out exactly as stacking every row again would.
 
-`rows.join` copies a full-attention batch's running rows as one block; `rows.stack(rows.rows_of(...)
+`rows.join` copies the running rows of a batch of full attention and sliding windows as one
+block; `rows.stack(rows.rows_of(...)
 + joining)` takes them apart and stacks them row by row. Both are copies of the same numbers into
 the same layout, so they are compared with `torch.equal`, padding and strides included.
 """
@@ -48,8 +49,10 @@ def assert_same(a: tuple, b: tuple) -> None:
     ((5, 9, 7, 6), (6,), (1,)),  # the longest row left: the columns only it used are dropped
     ((4,), (4, 11), ()),  # one running row
 ])  # fmt: skip
-def test_a_join_equals_stacking_every_row_again(running, joining, leaving, monkeypatch) -> None:
-    model = model_of(["full_attention"] * 2)
+@pytest.mark.parametrize("layer_types", [["full_attention"] * 2, ["full_attention", "sliding_attention"]])
+def test_a_join_equals_stacking_every_row_again(running, joining, leaving, layer_types, monkeypatch) -> None:
+    """Window 8: rows shorter and longer than the 7 tokens a window keeps, on either side."""
+    model = model_of(layer_types)
     batch, pads = rows.stack([single(model, n, i) for i, n in enumerate(running)])
     if leaving:
         keep = [i for i in range(len(running)) if i not in leaving]
@@ -66,11 +69,7 @@ def test_a_join_equals_stacking_every_row_again(running, joining, leaving, monke
 
 
 def test_batches_the_block_copy_does_not_cover_are_stacked_row_by_row() -> None:
-    """Sliding windows and rows that no longer end together (a per-row crop) go the general way."""
-    model = model_of(["full_attention", "sliding_attention"])
-    batch, pads = rows.stack([single(model, n, i) for i, n in enumerate((5, 10))])
-    newcomer = [single(model, 6, 7)]
-    assert_same(rows.join(batch, pads, newcomer), rows.stack(rows.rows_of(batch, pads) + newcomer))
+    """Rows that no longer end together (a per-row crop) go the general way."""
     full = model_of(["full_attention"] * 2)
     batch, pads = rows.stack([single(full, n, i) for i, n in enumerate((5, 10))])
     batch.crop([-1, 0])

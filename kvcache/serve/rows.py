@@ -198,37 +198,50 @@ def stack(rows: list[list[RowState]]) -> tuple[Cache, list[int]]:
     return Cache(layers), [longest - n for n in reals]
 
 
+#: Layers whose running rows `join` copies as one block (rows that end together).
+_BLOCK_COPIED = (DynamicLayer, SlidingWindowLayer)
+
+
 def join(cache: Cache | None, pads: list[int], joining: list[list[RowState]]) -> tuple[Cache, list[int]]:
     """`stack(rows_of(cache, pads) + joining)`, the same layout bit for bit, with the running rows
-    of a full-attention batch (every layer a `DynamicLayer` whose rows end together) copied as one
-    block per tensor instead of row by row: a join's cost no longer grows with the batch's rows in
-    the interpreter (31 rows, 2 newcomers, a 4-layer model: 7.6 -> 0.5 ms). Other batches are
-    laid out again row by row."""
+    of a batch of full attention and sliding windows (every layer's rows ending together) copied as
+    one block per tensor instead of row by row: a join's cost no longer grows with the batch's rows
+    in the interpreter (31 rows, 2 newcomers, a 4-layer model: 7.6 -> 0.5 ms). Other batches (rows
+    that a per-row crop left ragged, recurrent and quantized layers) are laid out again row by row."""
     if cache is None or not pads:
         return stack(joining)
-    if not all(type(layer) is DynamicLayer and not layer.is_ragged for layer in cache) or not all(
-            cls == "DynamicLayer" for row in joining for cls, _, _ in row):  # fmt: skip
+    if not all(type(layer) in _BLOCK_COPIED and not layer.is_ragged for layer in cache) or not all(
+            row[i][0] == type(layer).__name__ for row in joining for i, layer in enumerate(cache)):  # fmt: skip
         return stack(rows_of(cache, pads) + joining)
     physical = cache.get_seq_length()
     trim = min(pads)  # columns that are padding in every running row: dropped, as `stack` drops them
     reals = [physical - pad for pad in pads] + [_real_length(row) for row in joining]
     longest = max(reals)
-    layers = []
+    layers: list[CacheLayer] = []
     for i, layer in enumerate(cache):
+        sliding = type(layer) is SlidingWindowLayer
+        # a window holds each row's last `kept` tokens, right-aligned (zeros before a shorter row's)
+        kept = min(layer.sliding_window - 1, longest) if sliding else longest  # type: ignore[attr-defined]
         state = {}
         for name, held in layer.state.items():
-            batch, heads, _, dim = held.shape
-            capacity = layer.headroom().capacity(longest)  # what a copy into a new layer would reserve
-            out = held.new_empty(batch + len(joining), heads, capacity, dim).narrow(2, 0, longest)
-            shift = longest - (physical - trim)  # the running rows' columns move right by this
-            out[:batch, :, :shift].zero_()
-            out[:batch, :, shift:].copy_(held[:, :, trim:])
+            batch, heads, width, dim = held.shape
+            capacity = layer.headroom().capacity(kept)  # what a copy into a new layer would reserve
+            out = held.new_empty(batch + len(joining), heads, capacity, dim).narrow(2, 0, kept)
+            # the running rows' last columns (every real token a window keeps, then padding)
+            take = min(kept, width) if sliding else physical - trim
+            out[:batch, :, : kept - take].zero_()
+            out[:batch, :, kept - take :].copy_(held[:, :, width - take :])
             for j, row in enumerate(joining):
                 tensor = row[i][2][name][0]
-                out[batch + j, :, : longest - tensor.shape[1]].zero_()  # padding: finite, masked
-                out[batch + j, :, longest - tensor.shape[1] :].copy_(tensor)
+                out[batch + j, :, : kept - tensor.shape[1]].zero_()  # padding: finite, masked
+                out[batch + j, :, kept - tensor.shape[1] :].copy_(tensor)
             state[name] = out
-        layers.append(DynamicLayer.adopt_state({"seq_length": longest, "record_past": False}, state))
+        if sliding:
+            meta = {"sliding_window": layer.sliding_window, "seq_length": longest, "kept_length": kept,  # type: ignore[attr-defined]
+                    "seq_length_at_commit": 0, "record_past": False}  # fmt: skip
+            layers.append(SlidingWindowLayer.adopt_state(meta, state))
+        else:
+            layers.append(DynamicLayer.adopt_state({"seq_length": longest, "record_past": False}, state))
     return Cache(layers), [longest - n for n in reals]
 
 

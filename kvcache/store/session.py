@@ -305,10 +305,13 @@ def _check_tokens(tokens: Any, model: Any) -> list[int]:
         if tokens.dim() != 1 or tokens.is_floating_point():
             raise CacheInputError(f"prefix store: tokens must be a 1-D integer sequence, got {tuple(tokens.shape)}")
         tokens = tokens.tolist()
-    if not isinstance(tokens, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, int) for t in tokens):
+    if not isinstance(tokens, (list, tuple)):
+        raise CacheInputError("prefix store: tokens must be a sequence of ints")
+    # (the usual case, plain ints, checked in C: a lookup of a long prompt checks every token)
+    if not set(map(type, tokens)) <= {int} and any(isinstance(t, bool) or not isinstance(t, int) for t in tokens):
         raise CacheInputError("prefix store: tokens must be a sequence of ints")
     vocab = getattr(model, "vocab_size", None)
-    if isinstance(vocab, int) and any(not 0 <= t < vocab for t in tokens):
+    if isinstance(vocab, int) and tokens and (min(tokens) < 0 or max(tokens) >= vocab):
         raise CacheInputError(f"prefix store: token ids must be in [0, {vocab}) for this model")
     return list(tokens)
 
