@@ -12,6 +12,7 @@ from test_speculative import VOCAB, SteeredDraft, make_target
 
 from kvcache import GenerationError
 from kvcache.generation import ModelDrafter, PromptLookupDrafter, generate, speculative_generate
+from kvcache.generation.drafters import Draft, Drafter
 from kvcache.models.decoder import DecoderConfig, DecoderLM
 from kvcache.models.hybrid import HybridConfig, HybridLM
 
@@ -301,3 +302,37 @@ def test_a_self_drafted_batch_leaves_the_model_as_it_found_it(targets, monkeypat
         model(ids[:1, :4], cache=cache)
     assert not any(step.inter is not None for layer in cache for slot in getattr(
         getattr(layer, "recurrent", layer), "_slots", []) for step in slot.steps)
+
+
+class FixedDrafter(Drafter):
+    """Proposes `token` again and again (a match of 3 tokens, it says): wrong wherever the target
+    never picks `token`."""
+
+    reports_match = True
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def propose(self, sequence, num_tokens, pick):
+        return Draft([self.token] * num_tokens, match=3)
+
+
+def test_a_greedy_batch_stops_feeding_drafts_that_never_pay(targets):
+    """Greedy rows with a drafter that is not a model share the measured gate (as a server's batch
+    does): drafts that are never right are soon fed no more (a plain step and a few one-token
+    tries), where the acceptance schedule feeds every row at least one draft token a step. The
+    tokens are plain decoding's either way."""
+    target = targets["full"]
+    ids, mask = padded_batch(4, seed=3, encoder_decoder=False)
+    plain = generate(target, ids, attention_mask=mask, max_new_tokens=40)
+    produced = set(plain.sequences[:, ids.shape[1]:].flatten().tolist())
+    never = next(t for t in range(VOCAB) if t not in produced)
+    fed = {}
+    for schedule in ("adaptive", "acceptance"):
+        out = speculative_generate(target, FixedDrafter(never), ids, attention_mask=mask, num_draft_tokens=4,
+                                   max_new_tokens=40, draft_schedule=schedule)  # fmt: skip
+        assert torch.equal(out.sequences, plain.sequences)
+        steps = list(zip(*out.proposed_per_step, strict=True))  # a wrong draft: one token a step, 40 steps
+        fed[schedule] = sum(1 for step in steps if any(step))
+        assert len(steps) == 40
+    assert fed["acceptance"] == 39 and fed["adaptive"] <= 5, fed  # (the last step has no room for a draft)

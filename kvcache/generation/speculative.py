@@ -236,7 +236,9 @@ def speculative_generate(
     the most expected tokens per second, from what forwards, the drafter and its acceptance cost
     and earned so far in the run, the acceptance kept current by one-token shadow proposals while
     not drafting; sampling with a draft model uses "acceptance", which keeps seeded runs
-    reproducible, and so do batches, row by row); "constant" (always `num_draft_tokens`). Greedy
+    reproducible, and so do batches that sample or draft with a model, row by row; a greedy batch
+    with another drafter feeds one width for all its rows, chosen so, as a server's batches do);
+    "constant" (always `num_draft_tokens`). Greedy
     output does not depend on it, nor does sampled output with drafts that are point masses.
     A `DraftGate(num_draft_tokens)` is "adaptive" carried from call to call: what earlier runs
     measured (forward costs, acceptance, the draft length reached) decides this run's first steps,

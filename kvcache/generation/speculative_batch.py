@@ -12,12 +12,19 @@ target (or draft model) with recurrent layers needs `set_return_intermediate_sta
 handed over) or `set_per_token_recurrence` (transformers mixers run one token at a time).
 Finished rows (eos, `max_new_tokens`) leave the batch (`batch_select_indices`), so the rest never
 computes for them.
+
+How many tokens a row drafts: by default, for greedy rows with a drafter that is not a model
+(prompt lookup, suffix drafting), one width for the batch that the rows' matches pay for in
+measured tokens per second (`DraftGate.batch_width`, none where no width does, one-token shadow
+proposals keeping the acceptance current), as a server's batches draft; otherwise each row's own
+length, grown while its drafts are accepted whole and shrunk when they are not (`DraftLength`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +34,7 @@ import torch
 from ..errors import GenerationError
 from ..layers.quantized_rows import rows_quantized_alone
 from ..protocol import last_logits
-from .draft_schedule import DraftLength
+from .draft_schedule import DraftGate, DraftLength, packed_tokens
 from .drafters import Draft, Drafter, ModelDrafter, check_draft
 from .inputs import check_mask, check_token_list
 from .switches import holds_recurrent_states, row_states
@@ -249,7 +256,8 @@ def speculate_batch(
     target_rows, switch = row_states(target, intermediate_states)
     return decode_batch(
         target, drafter, verifier, input_ids, check_mask(attention_mask, input_ids), encoder_decoder=encoder_decoder,
-        num_draft_tokens=num_draft_tokens, adaptive=draft_schedule != "constant", max_new_tokens=max_new_tokens,
+        num_draft_tokens=num_draft_tokens, adaptive=draft_schedule != "constant", timed=draft_schedule == "adaptive",
+        max_new_tokens=max_new_tokens,
         eos=eos, pad_token_id=pad[0], switch=switch, target_row_states=target_rows,
         draft_switch=draft_switch, draft_row_states=draft_rows,
     )  # fmt: skip
@@ -268,12 +276,14 @@ def decode_batch(
     max_new_tokens: int,
     eos: frozenset[int],
     pad_token_id: int,
+    timed: bool = False,
     switch: Callable[[bool], Callable[[], None]],
     target_row_states: bool,
     draft_switch: Callable[[bool], Callable[[], None]] | None = None,
     draft_row_states: bool = False,
 ) -> BatchSpeculativeOutput:
-    """The batched draft / verify / per-row rollback loop (see the module docstring)."""
+    """The batched draft / verify / per-row rollback loop (see the module docstring); `timed`: the
+    "adaptive" schedule, a measured width for greedy rows with a drafter that is not a model."""
     device, batch = input_ids.device, input_ids.shape[0]
     encoder: dict[str, Any] = {}
     if encoder_decoder:
@@ -313,8 +323,13 @@ def decode_batch(
         if model_drafter is not None:
             model_drafter.start(prompts)
             needs_row_states(model_drafter.runner, "draft model", draft_row_states)
+        # greedy rows with lookup drafts: the batch's width chosen by measured tokens per second, as a
+        # server's (greedy output does not depend on timing; sampled rows share one generator, so a
+        # timed width would change which draw each row gets: they keep the reproducible schedule)
+        timed = timed and model_drafter is None and not verifier.do_sample
+        gate = DraftGate(num_draft_tokens, packed=runner.packs_rows) if timed else None
         out = _loop(runner, model_drafter, row_drafters, verifier, prompts, num_draft_tokens, adaptive,
-                    max_new_tokens, eos)  # fmt: skip
+                    max_new_tokens, eos, gate)  # fmt: skip
     prompt_width = input_ids.shape[1] if not encoder_decoder else 1
     prefix = input_ids if not encoder_decoder else torch.tensor([p[:1] for p in prompts], device=device)
     longest = max(len(t) for t in out.new_tokens)
@@ -337,6 +352,7 @@ def _loop(
     adaptive: bool,
     max_new_tokens: int,
     eos: frozenset[int],
+    gate: DraftGate | None = None,
 ) -> BatchSpeculativeOutput:
     batch = len(prompts)
     sequences = [list(p) for p in prompts]
@@ -347,18 +363,32 @@ def _loop(
     )  # fmt: skip
     schedules = [DraftLength(num_draft_tokens, adaptive=adaptive) for _ in range(batch)]
     active = list(range(batch))  # original row numbers of the rows still in the batch
+    shadow_turn = 0  # the row the next step's shadow proposals start from (a timed gate)
     while active:
+        started = time.perf_counter()
         seqs = [sequences[r] for r in active]
-        budgets = [min(schedules[r].current, max_new_tokens - len(new_tokens[r]) - 1) for r in active]
+        asked = [num_draft_tokens if gate is not None else schedules[r].current for r in active]
+        if gate is not None and not gate.worth_asking(len(active), num_draft_tokens):
+            shadows, first = gate.shadow_rows(len(active)), shadow_turn  # a few rows, in turn, offer one token
+            shadow_turn += shadows
+            asked = [min(n, int((i - first) % len(active) < shadows)) for i, n in enumerate(asked)]
+        budgets = [min(n, max_new_tokens - len(new_tokens[r]) - 1) for r, n in zip(active, asked, strict=True)]
         if model_drafter is not None:
             drafts = model_drafter.propose(seqs, budgets, verifier)
         else:
             drafts = [row_drafters[r].propose(s, n, verifier.pick) if n > 0 else Draft([])
                       for r, s, n in zip(active, seqs, budgets, strict=True)]  # fmt: skip
-        drafts = [check_draft(d, max(n, 0), runner.model.vocab_size) for d, n in zip(drafts, budgets, strict=True)]
+        drafts = offered = [check_draft(d, max(n, 0), runner.model.vocab_size)
+                            for d, n in zip(drafts, budgets, strict=True)]  # fmt: skip
+        if gate is not None:  # one width for the batch, as far as the rows' matches pay
+            width = gate.batch_width([(len(d.tokens), d.match) for d in offered], num_draft_tokens)
+            drafts = [Draft(d.tokens[:width], None if d.probs is None else d.probs[:width], d.match) for d in offered]
+        drafted = time.perf_counter()
         logits = runner.feed([[s[-1], *d.tokens] for s, d in zip(seqs, drafts, strict=True)], [s[-1] for s in seqs])
         keep, finished = [], []
-        verdicts = verifier.verify_rows(drafts, logits)
+        verdicts = verifier.verify_rows(drafts, logits)  # (greedy: reads the choices to the host)
+        if gate is not None:
+            _record(gate, runner, drafts, offered, verdicts, time.perf_counter() - drafted, drafted - started)
         for i, (r, draft, (accepted, emitted)) in enumerate(zip(active, drafts, verdicts, strict=True)):
             schedules[r].update(len(draft.tokens), accepted)
             emitted = emitted[: max_new_tokens - len(new_tokens[r])]
@@ -388,3 +418,18 @@ def _loop(
                     model_drafter.select(staying)
     out.target_forwards = runner.forwards
     return out
+
+
+def _record(gate: DraftGate, runner: BatchRunner, drafts: list[Draft], offered: list[Draft],
+            verdicts: list[tuple[int, list[int]]], seconds: float, draft_seconds: float) -> None:  # fmt: skip
+    """What a timed step tells the gate: the forward's seconds and what it fed, each row's draft
+    and how much of it was accepted (a row that fed none: its first offered token judged against
+    the token it got, a shadow)."""
+    width = max(len(d.tokens) for d in drafts)
+    counts = [1 + len(d.tokens) for d in drafts]
+    judged = [(len(d.tokens), accepted, d.match) if d.tokens
+              else (min(len(o.tokens), 1), int(bool(o.tokens) and o.tokens[0] == emitted[0]), o.match)
+              for d, o, (accepted, emitted) in zip(drafts, offered, verdicts, strict=True)]  # fmt: skip
+    fed = packed_tokens(counts) if runner.packs_rows and width else None
+    gate.record_batch(width, seconds, judged, sum(len(e) for _, e in verdicts), draft_seconds,
+                      sum(len(o.tokens) for o in offered), fed)
