@@ -172,3 +172,17 @@ def test_bad_tokens_per_row_is_refused_and_changes_nothing(bad) -> None:
     assert cache.get_seq_length() == 3
     assert all(torch.equal(a, b) for a, b in zip(before, [t for layer in cache for t in layer.state.values()],
                                                   strict=True))  # fmt: skip
+
+
+@pytest.mark.parametrize("keep", [1, 2, 5, 9])
+def test_logits_to_keep_on_a_packed_forward(keep) -> None:
+    """The last `keep` positions' logits, as the rectangle gives them (all of them past the width)."""
+    model = decoder()
+    ids5 = ids([1, 2, 3, 4, 5], [6, 7, 7, 7, 7])
+    with torch.no_grad():
+        whole = model(ids5, cache=model.new_cache())
+        kept = model(ids5, cache=model.new_cache(), tokens_per_row=[5, 2], logits_to_keep=keep)
+    assert kept.shape == whole[:, -keep:].shape
+    assert torch.allclose(kept[0], whole[0, -keep:], atol=TOLERANCE, rtol=0)
+    real = [c for c in range(5 - min(keep, 5), 5) if c < 2]  # row 1's real columns among the kept
+    assert torch.allclose(kept[1, [c - (5 - min(keep, 5)) for c in real]], whole[1, real], atol=TOLERANCE, rtol=0)

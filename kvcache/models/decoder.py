@@ -167,7 +167,7 @@ class DecoderLM(nn.Module):
                       **extra)  # fmt: skip
         if packing is not None:
             head = lambda h: self.lm_head(self.norm(h))  # noqa: E731
-            return packing.unpack_last(x, logits_to_keep or length, head)
+            return packing.unpack_last(x, min(logits_to_keep or length, length), head)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         return self.lm_head(self.norm(x))
