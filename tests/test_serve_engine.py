@@ -18,7 +18,8 @@ from kvcache.generation import generate
 from kvcache.generation.sampling import Sampling
 from kvcache.layers.sliding import SlidingWindowLayer
 from kvcache.models import load_default_model
-from kvcache.serve.engine import IDLE_STEP_TOKENS, Engine, Request
+from kvcache.serve.engine import Engine, Request
+from kvcache.serve.prefill import IDLE_STEP_TOKENS
 from kvcache.store import PrefixStore, open_store
 
 pytestmark = pytest.mark.usefixtures("one_thread")

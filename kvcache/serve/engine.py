@@ -29,7 +29,6 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,14 +37,14 @@ from ..cache import Cache
 from ..errors import CacheInputError
 from ..generation.draft_schedule import DraftGate
 from ..generation.drafters import Drafter, ModelDrafter, PromptLookupDrafter
-from ..generation.sampling import Sampling
 from ..generation.suffix import SuffixDrafter
 from ..store.payloads import model_module, storable
 from . import prefill
 from . import rows as batch_rows
 from .events import BatchedSink
-from .logprobs import score_prompts, token_logprobs
+from .logprobs import token_logprobs
 from .metrics import Metrics
+from .request import Request
 from .speculation import can_speculate, speculative_step
 
 #: Rows decoded together at most; newcomers wait while the batch is full.
@@ -54,48 +53,6 @@ MAX_BATCH = 32
 #: 256, measured against 192-512 (docs/serve.md): at 512 a burst of newcomers is prefilled in one
 #: large group, every one waiting for all, and the rows, finishing together, make the next burst.
 MAX_STEP_TOKENS = 256
-#: Tokens the first waiting prompt may be fed in one block while no row decodes or waits to join:
-#: the budget bounds how long running rows wait for a step, and then none wait. A cold 1,000-token
-#: prompt in one forward instead of four of 256 tokens: 0.9-1.1x a prefill without a store
-#: against 1.3-1.4x (benchmarks/serve.py, the cold-prompt table).
-IDLE_STEP_TOKENS = 2048
-
-
-@dataclass(eq=False)  # a request is itself: compared by identity
-class Request:
-    """One completion: its prompt ids and parameters, and what the engine fills in."""
-
-    prompt: list[int]
-    max_tokens: int
-    sampling: Sampling
-    seed: int | None = None
-    stop_ids: frozenset[int] = frozenset()
-    logprobs: int | None = None  # tokens come with their log probabilities and this many alternatives
-    prompt_logprobs: int | None = None  # the prompt's, first (a "prompt" event), with this many alternatives
-    id: str = ""
-    on_event: Callable[[tuple[str, Any]], None] = lambda event: None
-    created: float = field(default_factory=time.monotonic)
-    cancelled: bool = False
-    # filled in by the engine
-    tokens: list[int] = field(default_factory=list)
-    cached_tokens: int = 0
-    finish_reason: str | None = None
-    first_token_at: float | None = None
-    generator: torch.Generator | None = None
-    session: Any = None
-    cache: Cache | None = None
-    pending: int | None = None  # the token to feed at the next decode step
-    drafter: Drafter | None = None
-    rows: list | None = None  # prefilled with other newcomers: its row of their batch (`rows.stack` takes it)
-    alone: bool = False  # its group's forward failed: prefilled alone from now on
-    scored: bool = False  # its prompt's log probabilities were sent (or not asked for)
-    on_cancel: Callable[[], None] | None = None  # tells an engine in another process (`engine_process`)
-
-    def cancel(self) -> None:
-        """Ask the engine to drop this request at its next step (a client that went away)."""
-        self.cancelled = True
-        if self.on_cancel is not None:
-            self.on_cancel()
 
 
 class Engine:
@@ -248,55 +205,7 @@ class Engine:
         self.metrics.batch_size.set(len(self._rows))
 
     def _prefill_turn(self) -> None:
-        """Spend this turn's budget on the waiting prompts, in order of arrival, as many as there
-        are free rows for: the prompts whose rest fits one forward together first (`prefill.group_of`:
-        cold ones, or ones that continue cached prefixes), then the rest one by one. The first
-        prompt is fed at least one chunk, so prefills always move, and while no row decodes or
-        waits to join, up to `IDLE_STEP_TOKENS` (no one waits on that forward)."""
-        score_prompts(self)
-        budget = self.max_step_tokens - len(self._rows) * (1 + self.draft_width)
-        slots = self.max_batch - len(self._rows) - len(self._ready)
-        waiting = []
-        for request in list(self._prefilling)[: max(slots, 0)]:
-            try:
-                if request.session is None:
-                    prefill.start(self, request)
-                waiting.append(request)
-            except Exception as exc:  # this prompt's own failure: it alone ends
-                self._drop_failed(request, exc)
-        group = prefill.group_of(self, waiting, budget)
-        if len(group) > 1:
-            width = max(len(r.prompt) - r.session.length for r in group)
-            try:
-                outputs = prefill.feed_group(self, group)
-            except Exception:  # the group's forward: each member is prefilled alone instead
-                traceback.print_exc()
-                for request in group:
-                    request.alone, request.session, request.rows = True, None, None
-            else:
-                budget -= len(group) * width
-                waiting = [r for r in waiting if r not in group]
-                for request, logits in zip(group, outputs, strict=True):
-                    try:
-                        self._prefilled(request, logits)
-                    except Exception as exc:  # its first token's sampling: it alone ends
-                        self._drop_failed(request, exc)
-        for position, request in enumerate(waiting):
-            floor = self.store.chunk_size if position == 0 and len(group) < 2 else 1
-            if position == 0 and not self._rows and not self._ready:  # nobody waits on this forward
-                floor = max(floor, IDLE_STEP_TOKENS)
-            try:
-                if request.session is None:
-                    prefill.start(self, request)
-                fed, logits = prefill.feed(self, request, max(budget, floor))
-                if logits is not None:
-                    self._prefilled(request, logits)
-            except Exception as exc:  # this prompt's own failure: it alone ends
-                self._drop_failed(request, exc)
-                continue
-            budget -= fed
-            if budget <= 0 or fed == 0:
-                break
+        prefill.prefill_turn(self)
 
     def _drop_failed(self, request: Request, exc: Exception) -> None:
         for queue in (self._prefilling, self._ready):
