@@ -45,7 +45,7 @@ from ..errors import CacheInputError, RollbackError
 from ..validation import check_row_lengths
 from .base import CacheLayer, register_layer
 from .recurrent_rows import crop_rows
-from .recurrent_slots import CONV_BLOCK, LOST, Slot, Step, restore_slots, step_tokens
+from .recurrent_slots import CONV_BLOCK, LOST, Slot, Step, restore_slots, slot_meta, slot_tensors, step_tokens
 
 
 def _positive_int(value: Any, name: str) -> int:
@@ -392,46 +392,11 @@ class RecurrentLayer(CacheLayer):
     # --------------------------------------------------------------------------- persistence
     @property
     def state(self) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        for s, slot in enumerate(self._slots):
-            if slot.conv is not None:
-                out[f"conv.{s}"] = slot.conv[..., : slot.conv_end]
-            if slot.rec is not None:
-                out[f"recurrent.{s}"] = slot.rec
-            for i, step in enumerate(slot.steps):
-                if isinstance(step.before, torch.Tensor):
-                    out[f"recurrent_history.{s}.{i}"] = step.before
-                if step.inter is not None:
-                    out[f"intermediate.{s}.{i}"] = step.inter
-        return out
+        return slot_tensors(self._slots)
 
     @property
     def meta_state(self) -> dict[str, Any]:
-        slots = []
-        for slot in self._slots:
-            steps = [
-                {
-                    "tokens": st.tokens,
-                    "conv_tokens": st.conv_tokens,
-                    "before": "lost" if st.before is LOST else ("none" if st.before is None else "tensor"),
-                    "intermediate": st.inter is not None,
-                    "rec_updated": st.rec_updated,
-                    "open": st.open,
-                }
-                for st in slot.steps
-            ]
-            slots.append(
-                {
-                    "kernel": slot.kernel,
-                    "conv_columns": slot.conv_end if slot.conv is not None else 0,
-                    "conv_from_empty": slot.conv_from_empty,
-                    "seen": slot.seen,
-                    "open_tokens": slot.open_tokens,
-                    "open_at_commit": slot.open_at_commit,
-                    "steps": steps,
-                }
-            )
-        meta = {"num_states": self.num_states, "record_past": self._recording, "slots": slots}
+        meta = {"num_states": self.num_states, "record_past": self._recording, "slots": slot_meta(self._slots)}
         if self._behind is not None:
             meta["row_lengths"] = self.row_lengths()
         return meta

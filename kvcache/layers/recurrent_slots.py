@@ -310,3 +310,49 @@ def restore_slots(layer: Any, meta: dict[str, Any], state: dict[str, torch.Tenso
     if unknown:
         raise bad(f"unexpected tensors {sorted(unknown)}")
     return layer
+
+
+def slot_tensors(slots: list[Slot]) -> dict[str, torch.Tensor]:
+    """The tensors a layer's slots save: conv windows, recurrent states and what each recorded
+    step keeps for rollback (`restore_slots` takes them back)."""
+    out: dict[str, torch.Tensor] = {}
+    for s, slot in enumerate(slots):
+        if slot.conv is not None:
+            out[f"conv.{s}"] = slot.conv[..., : slot.conv_end]
+        if slot.rec is not None:
+            out[f"recurrent.{s}"] = slot.rec
+        for i, step in enumerate(slot.steps):
+            if isinstance(step.before, torch.Tensor):
+                out[f"recurrent_history.{s}.{i}"] = step.before
+            if step.inter is not None:
+                out[f"intermediate.{s}.{i}"] = step.inter
+    return out
+
+
+def slot_meta(held: list[Slot]) -> list[dict[str, Any]]:
+    """What a layer's slots save besides tensors: kernel, lengths and each recorded step's counts."""
+    slots = []
+    for slot in held:
+        steps = [
+            {
+                "tokens": st.tokens,
+                "conv_tokens": st.conv_tokens,
+                "before": "lost" if st.before is LOST else ("none" if st.before is None else "tensor"),
+                "intermediate": st.inter is not None,
+                "rec_updated": st.rec_updated,
+                "open": st.open,
+            }
+            for st in slot.steps
+        ]
+        slots.append(
+            {
+                "kernel": slot.kernel,
+                "conv_columns": slot.conv_end if slot.conv is not None else 0,
+                "conv_from_empty": slot.conv_from_empty,
+                "seen": slot.seen,
+                "open_tokens": slot.open_tokens,
+                "open_at_commit": slot.open_at_commit,
+                "steps": steps,
+            }
+        )
+    return slots

@@ -26,8 +26,8 @@ import torch
 
 from ..generation.draft_schedule import packed_tokens
 from ..generation.drafters import Draft, Drafter
-from ..generation.speculative import Verifier
 from ..generation.switches import holds_recurrent_states
+from ..generation.verifier import Verifier
 
 NO_DRAFT = Draft([])
 
