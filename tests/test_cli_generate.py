@@ -290,3 +290,34 @@ def test_a_store_key_comes_from_a_file_or_the_environment(stand_in_model, capsys
     monkeypatch.setenv("KVCACHE_PREFIX_STORE_KEY", "short")
     code, out, err = _cli(capsys, *args)
     assert (code, out) == (2, "") and "at least 16 bytes" in err and err.count("\n") == 1
+
+
+def test_speculative_names_the_same_drafting_as_in_serve(stand_in_model, capsys, monkeypatch) -> None:
+    """`--speculative suffix` is `--suffix-draft 8` and `--speculative K` is `--prompt-lookup K`, as
+    `kvcache serve` reads them: the same drafter and draft length reach `speculative_generate`,
+    and the text is plain decoding's; `--speculative 0` decodes plainly; a second flag is refused."""
+    import kvcache.generation as generation
+    from kvcache.cli.model_args import DEFAULT_SUFFIX_TOKENS
+
+    used: list[tuple[str, int]] = []
+    real = generation.speculative_generate
+
+    def spy(model, drafter, *args, **kwargs):
+        used.append((type(drafter).__name__, kwargs["num_draft_tokens"]))
+        return real(model, drafter, *args, **kwargs)
+
+    monkeypatch.setattr(generation, "speculative_generate", spy)
+    base = [PROMPT, "--temperature", "0", "--max-new-tokens", "12"]
+    code, plain, err = _cli(capsys, *base)
+    assert code == 0 and not used, err
+    runs = {("--speculative", "suffix"): ("SuffixDrafter", DEFAULT_SUFFIX_TOKENS),
+            ("--suffix-draft", str(DEFAULT_SUFFIX_TOKENS)): ("SuffixDrafter", DEFAULT_SUFFIX_TOKENS),
+            ("--speculative", "3"): ("PromptLookupDrafter", 3), ("--prompt-lookup", "3"): ("PromptLookupDrafter", 3)}
+    for flags, expected in runs.items():
+        code, out, err = _cli(capsys, *base, *flags)
+        assert code == 0 and out == plain and "drafted tokens accepted" in err, (flags, err)
+        assert used.pop() == expected, flags
+    code, out, err = _cli(capsys, *base, "--speculative", "0")
+    assert code == 0 and out == plain and not used and "drafted" not in err
+    code, out, err = _cli(capsys, *base, "--speculative", "3", "--suffix-draft", "4")
+    assert code == 2 and out == "" and "give one speculation flag" in err

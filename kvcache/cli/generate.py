@@ -39,7 +39,7 @@ def add_parser(subparsers: Any) -> None:
         "model). Stdout: the generated text only.",
     )
     parser.add_argument("prompt", help="the text to continue ('-' reads it from standard input)")
-    add_model_arguments(parser, draft_model=True)
+    add_model_arguments(parser, draft_model=True, speculative_default=" (the default)")
     parser.add_argument("--chat", action="store_true",
                         help="send the prompt as a user message through the model's chat template")
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,

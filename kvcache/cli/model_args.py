@@ -27,9 +27,23 @@ AUTO_DRAFT_TOKENS = 8
 AUTO_DRAFT_ROWS = 1
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, *, draft_model: bool) -> None:
-    """Add `--model`, `--device`, `--dtype` and `--prompt-lookup` (and, with `draft_model`,
-    `--draft-model` and `--draft-tokens`) to `parser`."""
+def _speculative(text: str) -> int | str:
+    """`--speculative`'s value: a number of draft tokens (0: none), or "suffix"."""
+    if text == "suffix":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of draft tokens or 'suffix', got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of draft tokens >= 0 or 'suffix', got {text!r}")
+    return value
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, *, draft_model: bool, speculative_default: str = "") -> None:
+    """Add `--model`, `--device`, `--dtype`, the speculation flags (`--prompt-lookup`,
+    `--suffix-draft`, `--speculative`: the one that names either; with `draft_model`, `--draft-model`
+    and `--draft-tokens`) to `parser`; `speculative_default` ends `--speculative`'s help."""
     parser.add_argument("--model", metavar="DIR", help="a local transformers model directory and its tokenizer "
                         "(default: the bundled character-level model)")
     parser.add_argument("--device", default="auto", metavar="DEVICE",
@@ -45,6 +59,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, draft_model: bool) -
                         help="speculative decoding that drafts up to K tokens from what most often followed the "
                         "current context before: in this text and, in a server, in earlier requests' prompts and "
                         "answers (no draft model); the output is the same, sampled too (seed for seed)")
+    parser.add_argument("--speculative", type=_speculative, nargs="?", const=4, default=None, metavar="K|suffix",
+                        help=f"K: the same as --prompt-lookup K (K=4 when left out); suffix: the same as "
+                        f"--suffix-draft {DEFAULT_SUFFIX_TOKENS}; 0: no speculation{speculative_default}")
     if draft_model:
         parser.add_argument("--draft-model", metavar="DIR",
                             help="speculative decoding with this transformers directory as the draft model (same "
@@ -55,7 +72,16 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, draft_model: bool) -
 
 
 def check_model_arguments(args: argparse.Namespace) -> None:
-    """The speculation flags' values, before anything loads."""
+    """The speculation flags' values, before anything loads; `--speculative` becomes the flag it
+    names (`--prompt-lookup K` or `--suffix-draft K`), and is 0 after."""
+    chosen = getattr(args, "speculative", None)
+    if chosen == "suffix":
+        args.suffix_draft = args.suffix_draft if args.suffix_draft is not None else DEFAULT_SUFFIX_TOKENS
+    elif chosen:
+        if (args.prompt_lookup, args.suffix_draft, getattr(args, "draft_model", None)) != (None, None, None):
+            raise GenerationError("--speculative K is --prompt-lookup K: give one speculation flag")
+        args.prompt_lookup = chosen
+    args.speculative = 0
     for name in ("prompt_lookup", "suffix_draft"):
         value = getattr(args, name)
         if value is not None and value < 1:

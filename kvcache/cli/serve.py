@@ -13,7 +13,6 @@ from ..errors import GenerationError
 from .model_args import (
     AUTO_DRAFT_ROWS,
     AUTO_DRAFT_TOKENS,
-    DEFAULT_SUFFIX_TOKENS,
     add_model_arguments,
     check_model_arguments,
     load_drafter,
@@ -30,7 +29,9 @@ def add_parser(subparsers: Any) -> None:
         description="Serve the bundled model (or --model DIR, a local transformers model) over an OpenAI-compatible "
         "HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.",
     )
-    add_model_arguments(parser, draft_model=True)
+    add_model_arguments(parser, draft_model=True, speculative_default=(
+        f". Default: prompt lookup of up to {AUTO_DRAFT_TOKENS} tokens, drafted while at most {AUTO_DRAFT_ROWS} "
+        "request(s) run and only as far as it pays, for models whose rejected drafts can be rolled back"))
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     parser.add_argument("--prefix-store", metavar="DIR_OR_URL",
@@ -43,11 +44,6 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' (or set ${API_KEY_ENV}, or use "
                         "--api-key-file: a flag's value is visible to other users of this machine)")
     parser.add_argument("--api-key-file", metavar="FILE", help="read the API key from FILE")
-    parser.add_argument("--speculative", type=_speculative, nargs="?", const=4, default=None, metavar="K|suffix",
-                        help=f"K: the same as --prompt-lookup K (K=4 when left out); suffix: the same as "
-                        f"--suffix-draft {DEFAULT_SUFFIX_TOKENS}; 0: no speculation. Default: prompt lookup of up "
-                        f"to {AUTO_DRAFT_TOKENS} tokens, drafted while at most {AUTO_DRAFT_ROWS} request(s) run and "
-                        "only as far as it pays, for models whose rejected drafts can be rolled back")
     parser.add_argument("--kv-bits", type=int, choices=(8, 4, 2), default=None,
                         help="quantize the attention cache to 8, 4 or 2 bits (as generate --kv-bits; each request "
                         "quantized as when it runs alone); default: full precision")
@@ -81,16 +77,6 @@ def add_parser(subparsers: Any) -> None:
         parser.exit(2, f"kvcache serve: error: {message} (see kvcache serve -h)\n")
 
     parser.error = one_line_error  # type: ignore[method-assign]
-
-
-def _speculative(text: str) -> int | str:
-    """`--speculative`'s value: a number of draft tokens, or "suffix"."""
-    if text == "suffix":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of draft tokens or 'suffix', got {text!r}") from None
 
 
 #: uvicorn's HTTP parser, named rather than "auto": with httptools installed (uvicorn[standard]),
@@ -192,8 +178,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, Any]:
     torch.set_num_threads(args.threads or default_threads())
     served = load_model(args, device)
     served.model.kv_bits = args.kv_bits  # new_cache() builds quantized attention layers (the store's too)
-    speculative = (args.draft_tokens if args.draft_model else args.suffix_draft or args.prompt_lookup
-                   or args.speculative)  # fmt: skip
+    speculative = args.draft_tokens if args.draft_model else args.suffix_draft or args.prompt_lookup or 0
     draft_rows = None  # a speculation flag drafts at every batch size (as far as it pays)
     if not args.speculation_chosen and can_speculate(served.model, device):  # the default, where it rolls back
         speculative, draft_rows = AUTO_DRAFT_TOKENS, AUTO_DRAFT_ROWS
@@ -251,13 +236,7 @@ def run(args: argparse.Namespace) -> int:
         raise GenerationError(f"--threads must be >= 1, got {args.threads}")
     args.speculation_chosen = (args.speculative, args.prompt_lookup, args.suffix_draft,
                                args.draft_model) != (None,) * 4  # fmt: skip
-    if args.speculative is None:
-        args.speculative = 0
-    if args.speculative == "suffix":
-        args.speculative, args.suffix_draft = 0, args.suffix_draft or DEFAULT_SUFFIX_TOKENS
     check_model_arguments(args)
-    if args.speculative and (args.prompt_lookup, args.suffix_draft, args.draft_model) != (None, None, None):
-        raise GenerationError("--speculative K is --prompt-lookup K: give one speculation flag")
     resolve_device(args.device)  # a device that is not there fails here, before any process starts
     key = api_key(args)
     if args.engine == "thread":
