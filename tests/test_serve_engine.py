@@ -294,6 +294,9 @@ def test_a_draft_model_of_another_vocabulary_or_an_unknown_schedule_is_refused(b
         Engine(model, PrefixStore(chunk_size=16), eos=[], draft_model=model)
     with pytest.raises(CacheInputError, match="draft_schedule must be"):
         Engine(model, PrefixStore(chunk_size=16), eos=[], speculative=3, draft_schedule="acceptance")
+    for bad in (-1, 2.0, True, "4"):
+        with pytest.raises(CacheInputError, match="speculative must be an int >= 0"):
+            Engine(model, PrefixStore(chunk_size=16), eos=[], speculative=bad)
 
 
 def test_suffix_drafting_learns_from_finished_requests_and_changes_no_answer(bundled) -> None:

@@ -73,6 +73,9 @@ class Engine:
         adaptive schedule a step drafts only while the batch holds at most `draft_rows` rows (None:
         any number; 1 whatever the schedule for a model that cannot mask rows of different lengths,
         `ragged_refusal`)."""
+        if isinstance(speculative, bool) or not isinstance(speculative, int) or speculative < 0:
+            raise CacheInputError(f"speculative must be an int >= 0 (draft tokens per row and step), got "
+                                  f"{speculative!r}")
         if draft_schedule not in ("adaptive", "constant"):
             raise CacheInputError(f"draft_schedule must be 'adaptive' or 'constant', got {draft_schedule!r}")
         if draft_model is not None and suffix_corpus is not None:
