@@ -370,3 +370,35 @@ def test_logit_bias_out_of_range_is_a_400(server) -> None:
         answer = httpx.post(server.url + "/v1/completions", content=json.dumps({"prompt": "x", **extra}).encode(),
                             timeout=30, headers={"content-type": "application/json"})  # fmt: skip
         assert answer.status_code == 400 and words in answer.json()["error"]["message"], (extra, answer.text)
+
+
+def test_presence_and_frequency_penalties_through_the_official_client(server, reference) -> None:
+    """OpenAI's penalties: each greedy token is the argmax of the model's log probabilities less
+    `frequency_penalty` per earlier occurrence in the answer and `presence_penalty` once (the
+    answer changes where the plain one repeats itself); log probabilities stay the model's own;
+    chat takes them too; out of [-2, 2] they are 400s."""
+    logp, tokenizer = reference
+    c = client(server)
+    prompt = "Hello Hello Hello "
+    plain = c.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0).choices[0].text
+    assert len(set(tokenizer.encode(plain))) < len(tokenizer.encode(plain))  # it repeats: penalties must bite
+    for presence, frequency in ((0.0, 1.5), (2.0, 0.0), (0.5, -0.5)):
+        answer = c.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, logprobs=1,
+                                      presence_penalty=presence, frequency_penalty=frequency)  # fmt: skip
+        text = answer.choices[0].text
+        ids, expected = tokenizer.encode(text), logp(prompt, text)
+        counts = torch.zeros(expected.shape[-1], dtype=torch.float64)
+        for i, token in enumerate(ids):
+            assert token == int((expected[i] - frequency * counts - presence * (counts > 0)).argmax()), (i, text)
+            assert math.isclose(answer.choices[0].logprobs.token_logprobs[i], float(expected[i, token]),
+                                abs_tol=TOLERANCE)  # fmt: skip
+            counts[token] += 1
+        assert text != plain
+    messages = [{"role": "user", "content": "Hello Hello Hello"}]
+    chats = [c.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                       frequency_penalty=penalty).choices[0].message.content for penalty in (0, 2)]
+    assert chats[0] != chats[1]
+    for bad in (2.5, -3, "1", True):
+        answer = httpx.post(server.url + "/v1/completions", timeout=30, headers={"content-type": "application/json"},
+                            content=json.dumps({"prompt": "x", "frequency_penalty": bad}).encode())  # fmt: skip
+        assert answer.status_code == 400 and "frequency_penalty" in answer.json()["error"]["message"], bad

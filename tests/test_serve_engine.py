@@ -164,7 +164,7 @@ def test_block_prefill_stores_every_boundary_as_the_forward_computed_it(bundled)
 
 
 class FailingSampling(Sampling):
-    def scores(self, logits):  # a row whose sampling breaks (a bug, a bad parameter)
+    def scores(self, logits, counts=None):  # a row whose sampling breaks (a bug, a bad parameter)
         raise RuntimeError("probability tensor contains nan")
 
 
@@ -808,3 +808,67 @@ def test_logit_bias_is_honoured_by_plain_and_speculative_steps(bundled) -> None:
     sampled = run(True)
     assert all(t not in answer for answer in sampled for t, _ in bias)
     assert run(True, speculative=6, draft_schedule="constant") == sampled
+
+
+def penalized_greedy(model, prompt: list[int], n: int, presence: float, frequency: float) -> list[int]:
+    """Greedy decoding of the logits less OpenAI's penalties for the tokens generated so far, step by
+    step (the reference for `presence_penalty` and `frequency_penalty`)."""
+    cache, out = model.new_cache(), []
+    counts = torch.zeros(int(model.vocab_size), dtype=torch.float64)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt]), cache=cache, position_ids=torch.arange(len(prompt))[None])
+        for i in range(n):
+            scores = logits[0, -1].double() - frequency * counts - presence * (counts > 0).double()
+            out.append(int(scores.argmax()))
+            counts[out[-1]] += 1
+            logits = model(torch.tensor([out[-1:]]), cache=cache, position_ids=torch.tensor([[len(prompt) + i]]))
+    return out
+
+
+def test_penalties_are_honoured_by_plain_and_speculative_steps(bundled) -> None:
+    """Presence and frequency penalties: greedy rows, in plain steps and in verified drafts alike (a
+    draft's own earlier tokens count at each position it is checked at), give what greedy decoding
+    of the penalized logits gives, which differs from the plain answers; seeded sampled rows with
+    penalties sample under speculation what they sample without (and not what they sample
+    without penalties)."""
+    model, tokenizer = bundled
+    prompts = [prompt_ids(tokenizer, i, n) for i, n in enumerate((40, 70))]  # repetitive: lookup drafts
+    plain = [alone(model, p, 24) for p in prompts]
+    expected = [penalized_greedy(model, p, 24, 0.4, 0.7) for p in prompts]
+    assert expected != plain
+
+    def run(sample: bool, penalties: tuple[float, float] = (0.4, 0.7), **kwargs) -> list[list[int]]:
+        engine = Engine(model, PrefixStore(chunk_size=16), eos=[], **kwargs)
+        sampling = Sampling(sample, 1.3, presence_penalty=penalties[0], frequency_penalty=penalties[1])
+        requests = [Request(prompt=p, max_tokens=24, seed=i, sampling=sampling) for i, p in enumerate(prompts)]
+        engine.start()
+        try:
+            run_requests(engine, requests)
+        finally:
+            engine.stop()
+        return [r.tokens for r in requests]
+
+    assert run(False) == expected
+    assert run(False, speculative=6, draft_schedule="constant") == expected
+    sampled = run(True)
+    assert sampled == run(True, speculative=6, draft_schedule="constant")
+    assert sampled != run(True, penalties=(0.0, 0.0))
+
+
+def test_penalties_are_scores_less_the_counts() -> None:
+    """`Sampling.scores` with counts: the logits less `frequency_penalty` per count and
+    `presence_penalty` where a count is positive, before the temperature; without counts or
+    penalties, the logits alone; a penalty that is not a finite number is refused."""
+    from kvcache.errors import GenerationError
+
+    logits = torch.randn(3, 11, dtype=torch.float64)
+    counts = torch.tensor([0, 2, 0, 1, 0, 0, 0, 0, 0, 5, 0], dtype=torch.float32)
+    sampling = Sampling(True, 0.5, presence_penalty=0.25, frequency_penalty=-0.5)
+    expected = (logits.float() + 0.5 * counts - 0.25 * (counts > 0).float()) / 0.5
+    assert torch.equal(sampling.scores(logits, counts), expected)
+    assert torch.equal(sampling.scores(logits), logits.float() / 0.5)
+    assert torch.equal(Sampling().scores(logits, counts), logits.float())
+    assert Sampling().argmax_only and not Sampling(frequency_penalty=0.1).argmax_only
+    for bad in (float("nan"), float("inf"), "1", True, None):
+        with pytest.raises(GenerationError, match="presence_penalty must be a finite number"):
+            Sampling(presence_penalty=bad)

@@ -18,7 +18,10 @@ class Sampling:
     smallest set of probability mass `top_p` and to the tokens at least `min_p` times as likely as
     the most likely one (0 = no cut), in that order (transformers' order), and sampled.
     `logit_bias` (`(token, bias)` pairs, OpenAI's `logit_bias`) is added to the logits first,
-    greedy or not: -100 bans a token, +100 all but forces it."""
+    greedy or not: -100 bans a token, +100 all but forces it. `presence_penalty` and
+    `frequency_penalty` (OpenAI's) are subtracted with it, greedy or not, from the logits of the
+    tokens generated so far (`scores`' `counts`): once for a token that occurred, and once per
+    occurrence."""
 
     do_sample: bool = False
     temperature: float = 1.0
@@ -26,8 +29,14 @@ class Sampling:
     top_p: float = 1.0
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise GenerationError(f"{name} must be a finite number, got {value!r}", param=name)
         bias = self.logit_bias
         if not isinstance(bias, tuple) or not all(
             isinstance(pair, tuple) and len(pair) == 2 and type(pair[0]) is int and pair[0] >= 0
@@ -52,12 +61,27 @@ class Sampling:
         if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
             raise GenerationError(f"min_p must be in [0, 1] (0 = no min-p cut), got {self.min_p!r}", param="min_p")
 
-    def scores(self, logits: torch.Tensor) -> torch.Tensor:
-        """Float32 scores `[batch, vocab]` of the next token (what `output_scores` returns)."""
+    @property
+    def penalized(self) -> bool:
+        """Whether the scores depend on the tokens generated so far (a presence or frequency penalty)."""
+        return bool(self.presence_penalty or self.frequency_penalty)
+
+    @property
+    def argmax_only(self) -> bool:
+        """Whether the next token is the argmax of the raw logits (greedy, nothing added to them)."""
+        return not (self.do_sample or self.logit_bias or self.penalized)
+
+    def scores(self, logits: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 scores `[batch, vocab]` of the next token (what `output_scores` returns); `counts`
+        (broadcast to `logits`): how often each token was generated before that position, for the
+        penalties (None: none yet)."""
         if self.logit_bias:
             ids = torch.tensor([t for t, _ in self.logit_bias], device=logits.device)
             values = torch.tensor([b for _, b in self.logit_bias], dtype=torch.float32, device=logits.device)
             logits = logits.float().index_add(-1, ids, values.expand(*logits.shape[:-1], -1))
+        if self.penalized and counts is not None:
+            counts = counts.to(device=logits.device, dtype=torch.float32)
+            logits = logits.float() - self.frequency_penalty * counts - self.presence_penalty * (counts > 0).float()
         if self.do_sample and self.temperature != 1:
             scores = logits.float() / self.temperature
         else:

@@ -55,18 +55,34 @@ class Verifier:
             out.append((accepted, [*draft.tokens[:accepted], choice[accepted]]))
         return out
 
-    def verify(self, draft: Draft, target_logits: torch.Tensor) -> tuple[int, list[int]]:
+    def _counts(self, draft: Draft, counts: torch.Tensor | None, logits: torch.Tensor) -> torch.Tensor | None:
+        """The generated tokens' counts at each verified position `[n + 1, vocab]` (the penalties'):
+        `counts` (those before the draft) plus the draft tokens before the position; None without
+        penalties."""
+        if not self.sampling.penalized:
+            return None
+        vocab, device = logits.shape[-1], logits.device
+        steps = torch.zeros(len(draft.tokens) + 1, vocab, device=device)
+        if draft.tokens:
+            drafted = torch.tensor(draft.tokens, device=device)
+            steps[1:] = torch.nn.functional.one_hot(drafted, vocab).float().cumsum(0)
+        return steps if counts is None else steps + counts.to(device=device, dtype=torch.float32)
+
+    def verify(self, draft: Draft, target_logits: torch.Tensor,
+               counts: torch.Tensor | None = None) -> tuple[int, list[int]]:  # fmt: skip
         """Check `draft` against the target's logits for the pending token and every draft token
-        (`[n + 1, vocab]`); return (number of draft tokens accepted, tokens to append)."""
+        (`[n + 1, vocab]`); return (number of draft tokens accepted, tokens to append). `counts`
+        `[vocab]`: how often each token was generated before the draft (for the penalties)."""
         n = len(draft.tokens)
+        positions = self._counts(draft, counts, target_logits)
         if not self.do_sample:  # greedy: the argmax of the raw logits (as float32, the same order), biased if asked
-            biased = self.sampling.scores(target_logits) if self.sampling.logit_bias else target_logits
-            choice = biased.argmax(-1).tolist()
+            raw = self.sampling.argmax_only
+            choice = (target_logits if raw else self.sampling.scores(target_logits, positions)).argmax(-1).tolist()
             accepted = 0
             while accepted < n and draft.tokens[accepted] == choice[accepted]:
                 accepted += 1
             return accepted, [*draft.tokens[:accepted], choice[accepted]]
-        p = self.probs(target_logits)
+        p = self.sampling.scores(target_logits, positions).softmax(-1)
         if draft.probs is None:  # point masses (or nothing): plain sampling's draws, position by position
             drawn = []
             for proposed in draft.tokens:

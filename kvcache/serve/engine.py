@@ -283,7 +283,7 @@ class Engine:
         ids = torch.tensor([[r.pending] for r in rows], dtype=torch.long, device=self.device)
         logits = self.model(ids, cache=cache, **self.row_inputs(1))[:, -1]
         # every greedy row's token from one argmax and one host transfer (what `_choose` picks per row)
-        plain = [not (r.sampling.do_sample or r.sampling.logit_bias) for r in rows]  # rows whose token is the argmax
+        plain = [r.sampling.argmax_only for r in rows]  # rows whose token is the argmax
         greedy = logits.float().argmax(-1).tolist() if any(plain) else []
         keep = []
         for b, request in enumerate(rows):
@@ -316,7 +316,7 @@ class Engine:
 
     # ---------------------------------------------------------------------------- tokens
     def _choose(self, request: Request, logits: torch.Tensor) -> int:
-        scores = request.sampling.scores(logits)
+        scores = request.sampling.scores(logits, request.counts)
         if not request.sampling.do_sample:
             return int(scores.argmax(-1))
         return int(torch.multinomial(scores.softmax(-1), 1, generator=request.generator))
@@ -330,6 +330,10 @@ class Engine:
             self.metrics.time_to_first_token.observe(now - request.created)
         request.tokens.append(token)
         request.pending = token
+        if request.sampling.penalized:  # the counts the next token's penalties read
+            if request.counts is None:
+                request.counts = torch.zeros(int(self.model.vocab_size), device=self.device)
+            request.counts[token] += 1
         self.metrics.generated_tokens.inc()
         asked = request.logprobs is not None and scores is not None
         self._send(request, ("token", token_logprobs(scores, token, request.logprobs) if asked else token))

@@ -39,6 +39,7 @@ class Request:
     session: Any = None
     cache: Cache | None = None
     pending: int | None = None  # the token to feed at the next decode step
+    counts: torch.Tensor | None = None  # how often each token was generated (`[vocab]`), for penalties
     drafter: Drafter | None = None
     rows: list | None = None  # prefilled with other newcomers: its row of their batch (`rows.stack` takes it)
     alone: bool = False  # its group's forward failed: prefilled alone from now on

@@ -32,8 +32,7 @@ class ApiError(Exception):
 #: Fields accepted only at these values (OpenAI defines them; this server does not implement them).
 #: Each lists every value that means "off".
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "best_of": (1,), "echo": (False,),
-    "presence_penalty": (0,), "frequency_penalty": (0,), "suffix": (None, ""),
+    "best_of": (1,), "echo": (False,), "suffix": (None, ""),
     "tools": (None, []), "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
     "parallel_tool_calls": (None,)}  # fmt: skip
 #: Fields accepted and ignored (they change nothing here).
@@ -47,7 +46,7 @@ MAX_LOGIT_BIAS = 300
 #: The most choices one request asks for: its prompts (a completion may send a list) times `n`.
 MAX_CHOICES = 64
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options",
-          "logprobs", "top_logprobs", "n", "logit_bias"}  # fmt: skip
+          "logprobs", "top_logprobs", "n", "logit_bias", "presence_penalty", "frequency_penalty"}  # fmt: skip
 COMPLETION_FIELDS = COMMON | {"prompt"} | set(NEUTRAL) | IGNORED
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"} | set(NEUTRAL) | IGNORED
 
@@ -81,6 +80,8 @@ class Params:
     n: int = 1
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, added to the logits
     echo: bool = False  # a completion's text (and log probabilities) start with its prompt's
+    presence_penalty: float = 0.0  # subtracted from the logits of every token generated so far
+    frequency_penalty: float = 0.0  # ... once per time it was generated
 
 
 #: JSON nested deeper than this is refused (a request needs 4 levels; Python's parser recurses).
@@ -192,7 +193,9 @@ def _common(body: dict[str, Any], allowed: set[str], model: str, limits: Limits,
                   temperature=0.0 if temperature < GREEDY_BELOW else temperature,
                   top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), top_k=top_k,
                   min_p=_number(body, "min_p", 0.0, 0.0, 1.0), seed=seed, stop=stops,
-                  stream=stream, include_usage=bool(options.get("include_usage", False)))  # fmt: skip
+                  stream=stream, include_usage=bool(options.get("include_usage", False)),
+                  presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+                  frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0))  # fmt: skip
 
 
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:

@@ -85,8 +85,8 @@ def speculative_step(engine: Any) -> None:
     packing = {"tokens_per_row": counts} if packed else {}
     logits = engine.model(ids, cache=cache, **engine.row_inputs(width), **packing)
     choices = logits.argmax(-1).tolist()  # every greedy row's choices in one host transfer
-    verdicts = [_greedy(draft, choices[b]) if not (verifier.do_sample or verifier.sampling.logit_bias)
-                else verifier.verify(draft, logits[b, : len(draft.tokens) + 1])
+    verdicts = [_greedy(draft, choices[b]) if verifier.sampling.argmax_only
+                else verifier.verify(draft, logits[b, : len(draft.tokens) + 1], rows[b].counts)
                 for b, (verifier, draft) in enumerate(zip(verifiers, drafts, strict=True))]  # fmt: skip
     if width > 1:
         drops = [width - 1 - accepted for accepted, _ in verdicts]
