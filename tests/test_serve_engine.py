@@ -766,6 +766,18 @@ def test_logprobs_of_accepted_drafts_come_from_their_verify_positions(bundled) -
             assert all(abs(v - float(w)) < 1e-9 for (_, v), w in zip(entry.top, values, strict=True))
 
 
+def seeded_answers(model, prompts: list[list[int]], n: int, sampling: Sampling, **engine_args) -> list[list[int]]:
+    """Each prompt's `n` tokens from one engine (`engine_args`), all requests together, prompt i seeded i."""
+    engine = Engine(model, PrefixStore(chunk_size=16), eos=[], **engine_args)
+    requests = [Request(prompt=p, max_tokens=n, seed=i, sampling=sampling) for i, p in enumerate(prompts)]
+    engine.start()
+    try:
+        run_requests(engine, requests)
+    finally:
+        engine.stop()
+    return [r.tokens for r in requests]
+
+
 def biased_greedy(model, prompt: list[int], n: int, bias: tuple[tuple[int, float], ...]) -> list[int]:
     """Greedy decoding with `bias` added to the logits, step by step (the reference for `logit_bias`)."""
     cache, out = model.new_cache(), []
@@ -793,15 +805,7 @@ def test_logit_bias_is_honoured_by_plain_and_speculative_steps(bundled) -> None:
     assert expected != unbiased and all(t not in answer for answer in expected for t, _ in bias)
 
     def run(sample: bool, **kwargs) -> list[list[int]]:
-        engine = Engine(model, PrefixStore(chunk_size=16), eos=[], **kwargs)
-        requests = [Request(prompt=p, max_tokens=20, seed=i, sampling=Sampling(sample, 1.3, logit_bias=bias))
-                    for i, p in enumerate(prompts)]  # fmt: skip
-        engine.start()
-        try:
-            run_requests(engine, requests)
-        finally:
-            engine.stop()
-        return [r.tokens for r in requests]
+        return seeded_answers(model, prompts, 20, Sampling(sample, 1.3, logit_bias=bias), **kwargs)
 
     assert run(False) == expected
     assert run(False, speculative=6, draft_schedule="constant") == expected
@@ -838,15 +842,8 @@ def test_penalties_are_honoured_by_plain_and_speculative_steps(bundled) -> None:
     assert expected != plain
 
     def run(sample: bool, penalties: tuple[float, float] = (0.4, 0.7), **kwargs) -> list[list[int]]:
-        engine = Engine(model, PrefixStore(chunk_size=16), eos=[], **kwargs)
         sampling = Sampling(sample, 1.3, presence_penalty=penalties[0], frequency_penalty=penalties[1])
-        requests = [Request(prompt=p, max_tokens=24, seed=i, sampling=sampling) for i, p in enumerate(prompts)]
-        engine.start()
-        try:
-            run_requests(engine, requests)
-        finally:
-            engine.stop()
-        return [r.tokens for r in requests]
+        return seeded_answers(model, prompts, 24, sampling, **kwargs)
 
     assert run(False) == expected
     assert run(False, speculative=6, draft_schedule="constant") == expected
