@@ -118,3 +118,124 @@ def test_replacement_characters_that_cannot_change_are_shown_at_once() -> None:
     shown = [detokenizer.add([lone]) for _ in range(5)]
     assert shown == ["\ufffd" * n for n in range(5)]
     assert detokenizer.finish() == decode([lone] * 5) == "\ufffd" * 5
+
+
+def _byte_fallback():
+    """A SentencePiece-style tokenizer with byte fallback (Llama 2, Gemma): a character outside its
+    vocabulary is spelled as `<0xAB>` tokens, one per UTF-8 byte."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers
+
+    pieces = ["<unk>", "<s>", *(f"<0x{b:02X}>" for b in range(256)), "▁", *"Thevalusmofitcnk.", "▁the", "▁value"]
+    sp = tokenizers.Tokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, [], unk_token="<unk>",
+                                         byte_fallback=True))  # fmt: skip
+    sp.pre_tokenizer = pre_tokenizers.Metaspace()
+    sp.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])  # fmt: skip
+    return sp
+
+
+def _pending(data: bytes) -> bool:
+    """The reference for a character still open: Python's own incremental UTF-8 decoder holds it."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    decoder.decode(data, final=False)
+    return bool(decoder.getstate()[0])
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_token_bytes_read_as_the_tokenizer_decodes(data) -> None:
+    """`byte_reader` against the tokenizers' own decoders: for byte-level BPE the bytes of any
+    token list (random ids: invalid UTF-8 as often as not), decoded with replacement characters,
+    are its decoded text; for byte fallback the bytes of any text's tokens are the text's UTF-8."""
+    from kvcache.generation.token_bytes import byte_reader
+
+    tok = tokenizer("byte-level BPE")
+    read = byte_reader(tok, skip_special_tokens=True)
+    ids = data.draw(st.lists(st.integers(0, tok.get_vocab_size() - 1), max_size=40))
+    assert b"".join(map(read.read, ids)).decode("utf-8", "replace") == tok.decode(ids, skip_special_tokens=True)
+    sp = _byte_fallback()
+    text = data.draw(st.text(alphabet="thevalu .€日本語é😀", max_size=20))
+    ids = sp.encode(text).ids
+    spelled = b"".join(map(byte_reader(sp).read, ids)).decode().replace("▁", " ")
+    assert spelled.removeprefix(" ") == sp.decode(ids)  # (the decoder strips one leading space)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_with_token_bytes_only_what_may_still_change_waits(data) -> None:
+    """Streamed with the tokens' bytes, byte-level BPE: the text after every piece is the decode of
+    everything so far, less its last character exactly while that character's bytes may still be
+    completed (Python's incremental UTF-8 decoder says which): a replacement character nothing can
+    change is shown at once. Byte fallback, on text whose characters are spelled in byte tokens:
+    nothing shown is taken back, and every piece is a prefix of the whole text."""
+    from kvcache.generation.token_bytes import byte_reader
+
+    tok = tokenizer("byte-level BPE")
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    read = byte_reader(tok, skip_special_tokens=True)
+    ids = data.draw(st.lists(st.integers(0, tok.get_vocab_size() - 1), max_size=50))
+    detokenizer, at = Detokenizer(decode, read), 0
+    while at < len(ids):
+        n = data.draw(st.integers(1, 3))
+        text = detokenizer.add(ids[at : at + n])
+        at = min(at + n, len(ids))
+        whole = decode(ids[:at])
+        assert text == (whole[:-1] if _pending(b"".join(map(read.read, ids[:at]))) else whole)
+    assert detokenizer.finish() == decode(ids)
+    sp = _byte_fallback()
+    ids = sp.encode(data.draw(st.text(alphabet="thevalu .€日本語é😀", max_size=20))).ids
+    detokenizer, shown, at = Detokenizer(sp.decode, byte_reader(sp)), "", 0
+    while at < len(ids):
+        n = data.draw(st.integers(1, 3))
+        text = detokenizer.add(ids[at : at + n])
+        at = min(at + n, len(ids))
+        assert text.startswith(shown) and sp.decode(ids).startswith(text)
+        shown = text
+    assert detokenizer.finish() == sp.decode(ids)
+
+
+def test_a_byte_no_continuation_can_complete_is_shown_with_its_token() -> None:
+    """Lone continuation bytes (what a random model writes) stand as replacement characters: with
+    the tokens' bytes each one is shown with its own token, not one token later; a lead byte still
+    waits for the bytes of its character, and one that meets a byte it cannot take is shown."""
+    from kvcache.generation.token_bytes import byte_reader
+
+    tok = tokenizer("byte-level BPE")
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    read = byte_reader(tok, skip_special_tokens=True)
+    lone = tok.token_to_id("Ģ")  # 0x80
+    detokenizer = Detokenizer(decode, read)
+    assert [detokenizer.add([lone]) for _ in range(3)] == ["\ufffd" * n for n in range(1, 4)]
+    euro = [tok.token_to_id(piece) for piece in ("â", "Ĥ", "¬")]  # E2 82 AC
+    assert detokenizer.add(euro[:1]) == "\ufffd" * 3 and detokenizer.add(euro[1:2]) == "\ufffd" * 3
+    assert detokenizer.add(euro[2:]) == "\ufffd" * 3 + "€"
+    assert detokenizer.add(euro[:1]) == "\ufffd" * 3 + "€"  # E2 waits ...
+    assert detokenizer.add(tok.encode("5").ids) == "\ufffd" * 3 + "€\ufffd5"  # ... and cannot take "5"
+    sp = _byte_fallback()
+    spelled = [sp.token_to_id(f"<0x{b:02X}>") for b in "€".encode()]  # byte fallback: one token a byte
+    for reader in (byte_reader(sp), None):  # with the bytes; without (only a last character waits)
+        fallback = Detokenizer(sp.decode, reader)
+        shown = [fallback.add([token]) for token in spelled]
+        assert shown == (["", "", "€"] if reader else ["", "\ufffd", "€"])  # without: "€" streams as U+FFFD
+    assert byte_reader(tokenizer("metaspace")) is None and byte_reader(tokenizer("bundled")) is None
+
+
+def test_text_streamer_prints_characters_spelled_in_byte_tokens_whole() -> None:
+    """What `generate` prints as tokens arrive: an emoji and a euro sign spelled in byte-fallback
+    tokens come out as themselves (before, as U+FFFD that the later tokens could not take back)."""
+    import io
+
+    import torch
+
+    from kvcache.generation.streamers import TextStreamer
+
+    sp = _byte_fallback()
+    out = io.StringIO()
+    streamer = TextStreamer(sp, file=out)
+    for token in sp.encode("the 😀 € value").ids:
+        streamer.put(torch.tensor([token]))
+    streamer.end()
+    assert out.getvalue() == sp.decode(sp.encode("the 😀 € value").ids) + "\n" == "the 😀 € value\n"

@@ -12,6 +12,7 @@ how often).
 
 from __future__ import annotations
 
+import codecs
 import concurrent.futures
 import json
 import subprocess
@@ -31,6 +32,7 @@ pytest.importorskip("uvicorn")
 from serve_kit import ServeProcess, module_server, tiny_model_dir  # noqa: E402
 
 from kvcache.generation import generate  # noqa: E402
+from kvcache.generation.token_bytes import byte_reader  # noqa: E402
 from kvcache.models import load_default_model  # noqa: E402
 from kvcache.serve.served import bundled  # noqa: E402
 
@@ -316,6 +318,31 @@ def test_a_transformers_model_directory_is_served(tmp_path: Path) -> None:
         assert c.models.retrieve("tiny-llama").id == "tiny-llama"
         with pytest.raises(openai.NotFoundError):
             c.models.retrieve("gpt-4")
+        # Streamed, each chunk's text completes the decode of the tokens so far (counted by their
+        # log probabilities), less exactly what later bytes could still change, and comes with the
+        # token that made it showable: this answer starts with a byte no continuation completes
+        # (shown with its token), then a lead byte (it waits). (A stop string that never comes
+        # makes the stream take its tokens one by one.)
+        ids = torch.tensor([tokenizer.encode("The value of the")])
+        tokens = generate(model, ids, max_new_tokens=12).sequences[0, ids.shape[1] :].tolist()
+        read = byte_reader(tokenizer, skip_special_tokens=True)
+
+        def showable(n: int) -> str:
+            whole = tokenizer.decode(tokens[:n], skip_special_tokens=True)
+            pending = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            pending.decode(b"".join(map(read.read, tokens[:n])))
+            return whole[:-1] if pending.getstate()[0] else whole
+
+        assert "\x00" not in tokenizer.decode(tokens) and showable(1) == "\ufffd" and showable(2) == "\ufffd"
+        shown, count = "", 0
+        for chunk in c.completions.create(model="tiny-llama", prompt="The value of the", max_tokens=12,
+                                          temperature=0, stream=True, logprobs=0, stop=["\x00"]):  # fmt: skip
+            given = len(chunk.choices[0].logprobs.tokens) if chunk.choices[0].logprobs else 0
+            assert showable(count + given - 1) == shown or not chunk.choices[0].text  # not one token late
+            count += given
+            shown += chunk.choices[0].text
+            assert shown == showable(count)
+        assert count == 12 and shown == tokenizer.decode(tokens, skip_special_tokens=True)
     finally:
         assert process.terminate() == 0
 

@@ -7,26 +7,31 @@ tokens of the previous piece in front of it, and only what that adds is new text
 keeps what depends on a neighbour (a SentencePiece word's leading space, cleaned-up spaces before
 punctuation) the same as in a decode of everything. A piece that ends in the middle of a
 multi-byte character (`\\ufffd` at its end) is shown without that character and decoded again with
-the next token.
+the next token; where the tokenizer says what bytes its tokens stand for (`token_bytes`), exactly
+the characters that later bytes can still change wait (`TokenBytes.held`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from .token_bytes import TokenBytes
+
 #: Tokens kept in front of new ones, at least (a word split over several tokens decodes whole).
 CONTEXT_TOKENS = 4
 
 
 class Detokenizer:
-    """`decode`: a token list to text (e.g. `TextModel.decode`); `add(ids)` returns the text so far."""
+    """`decode`: a token list to text (e.g. `TextModel.decode`); `add(ids)` returns the text so far.
+    `token_bytes`: a token's bytes as `decode` reads them (`token_bytes.byte_reader`), or None."""
 
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
-        self.decode = decode
+    def __init__(self, decode: Callable[[list[int]], str], token_bytes: TokenBytes | None = None) -> None:
+        self.decode, self.token_bytes = decode, token_bytes
         self.tokens: list[int] = []
         self.text = ""  # the text of tokens[: self.read]
         self.context = 0  # tokens[context : read] are decoded again in front of new tokens
         self.read = 0
+        self.taken = [0]  # where each taken piece ended: a character boundary, where a context may start
 
     def add(self, ids: Iterable[int]) -> str:
         """Take `ids`; the text of every token taken so far, less a last character that is still
@@ -36,10 +41,12 @@ class Detokenizer:
         if self.read < len(self.tokens):
             before = self.decode(self.tokens[self.context : self.read])
             after = self.decode(self.tokens[self.context :])
-            if not after.endswith("\ufffd"):
+            new = after[len(before) :]
+            held = self._held(new)
+            if not held:
                 self._take(before, after)
             else:  # shown, not taken: the next call decodes these tokens again with what follows
-                return self.text + after[len(before) : -1]
+                return self.text + new[: max(len(new) - held, 0)]
         return self.text
 
     def finish(self) -> str:
@@ -48,9 +55,21 @@ class Detokenizer:
             self._take(self.decode(self.tokens[self.context : self.read]), self.decode(self.tokens[self.context :]))
         return self.text
 
+    def _held(self, new: str) -> int:
+        """How many last characters of `new` (the untaken tokens' text) may still change (bytes
+        unknown: a last replacement character may)."""
+        if self.token_bytes is None:
+            return int(new.endswith("\ufffd"))
+        return self.token_bytes.held(self.tokens[self.read :], new)
+
     def _take(self, before: str, after: str) -> None:
         # what the new tokens add after their context (by length, as a decode of everything would
         # be sliced: a tokenizer that rewrites its context's text is not undone)
         self.text += after[len(before) :]
         self.read = len(self.tokens)
-        self.context = max(self.context, self.read - CONTEXT_TOKENS)
+        self.taken.append(self.read)
+        # the context starts where a piece ended, not inside a character: a decoder that decodes
+        # runs of byte tokens whole (byte fallback) would read a cut run as invalid
+        while len(self.taken) > 1 and self.taken[1] <= self.read - CONTEXT_TOKENS:
+            self.taken.pop(0)
+        self.context = self.taken[0]

@@ -9,6 +9,7 @@ from typing import Any, Protocol, TextIO, runtime_checkable
 import torch
 
 from .detokenize import Detokenizer
+from .token_bytes import byte_reader
 
 
 @runtime_checkable
@@ -35,11 +36,19 @@ class TokenCollector:
         self.ended += 1
 
 
+def _bytes_of(tokenizer: Any) -> Any:
+    """A token's bytes for the detokenizer: a `TextModel` says (`token_bytes`), a transformers
+    tokenizer may (`byte_reader`)."""
+    if hasattr(tokenizer, "token_bytes"):
+        return tokenizer.token_bytes
+    return byte_reader(tokenizer)
+
+
 class TextStreamer:
     """Prints the decoded text of a single sequence (batch size 1) as its tokens arrive.
 
-    Decodes the whole generated text each step and prints what is new, holding back a trailing
-    replacement character (an incomplete multi-byte character of a byte-level tokenizer).
+    Decodes the generated text as it grows and prints what is new, holding back what later bytes
+    can still change (a multi-byte character cut between tokens: `Detokenizer`).
     Tokens in `skip_token_ids` (e.g. end of sequence) are not printed.
     """
 
@@ -47,7 +56,7 @@ class TextStreamer:
         self.tokenizer = tokenizer
         self.file = file
         self.skip = {int(t) for t in skip_token_ids}
-        self.detokenizer = Detokenizer(tokenizer.decode)
+        self.detokenizer = Detokenizer(tokenizer.decode, _bytes_of(tokenizer))
         self.printed = 0
 
     @property
@@ -67,7 +76,7 @@ class TextStreamer:
         out = self.file if self.file is not None else sys.stdout
         out.write("\n")
         out.flush()
-        self.detokenizer, self.printed = Detokenizer(self.tokenizer.decode), 0
+        self.detokenizer, self.printed = Detokenizer(self.tokenizer.decode, _bytes_of(self.tokenizer)), 0
 
     def _emit(self, text: str) -> None:
         if len(text) > self.printed:

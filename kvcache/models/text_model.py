@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..errors import CacheInputError
+from ..generation.token_bytes import TokenBytes, byte_reader
 from . import default
 
 ROLES = ("system", "user", "assistant")
@@ -74,6 +76,14 @@ class TextModel:
         if self.kind == "bundled":
             return self.tokenizer.decode(ids)
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    @cached_property
+    def token_bytes(self) -> TokenBytes | None:
+        """What bytes the tokens stand for, as `decode` reads them (a stream then holds back exactly
+        the characters that later bytes can change), or None where the tokenizer does not say."""
+        if self.kind == "bundled":
+            return None
+        return byte_reader(self.tokenizer, skip_special_tokens=True)
 
     def cache_id(self) -> str:
         """What a saved prompt cache names its model by, so that a cache of other weights is

@@ -43,7 +43,7 @@ class Completion:
         self.tokens: list[int] = []  # as the events brought them: the engine may be a step ahead
         self.logprobs: list[TokenLogprobs] = []  # the tokens' log probabilities, when the request asked
         self._offset = (0, len(echo or ""))  # (tokens shaped so far, where their text ends), for text_offset
-        self.detokenizer = Detokenizer(served.decode)
+        self.detokenizer = Detokenizer(served.decode, served.token_bytes)
 
     def _take(self, value: int | TokenLogprobs) -> int:
         """A token event's token (and its log probabilities, kept)."""
@@ -90,9 +90,7 @@ class Completion:
                     if sent < cut:
                         yield text[sent:cut]
                     return
-                safe = len(text) - holdback
-                if text.endswith("\ufffd"):  # an incomplete multi-byte character
-                    safe = min(safe, len(text) - 1)
+                safe = len(text) - holdback  # (the detokenizer holds a character still cut in two)
                 if safe > sent:
                     yield text[sent:safe]
                     sent = safe
