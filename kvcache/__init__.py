@@ -15,8 +15,8 @@ from ._version import __version__
 #: public name -> the module (relative to this package) that defines it
 _EXPORTS = {
     "Cache": ".cache",
-    "DynamicCache": ".cache",
-    "StaticCache": ".cache",
+    "DynamicCache": ".caches",
+    "StaticCache": ".caches",
     "EncoderDecoderCache": ".encoder_decoder",
     "CacheFormatError": ".errors",
     "CacheInputError": ".errors",
@@ -85,7 +85,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from .cache import Cache, DynamicCache, StaticCache
+    from .cache import Cache
+    from .caches import DynamicCache, StaticCache
     from .encoder_decoder import EncoderDecoderCache
     from .errors import (
         CacheFormatError,

@@ -321,3 +321,8 @@ def test_speculative_names_the_same_drafting_as_in_serve(stand_in_model, capsys,
     assert code == 0 and out == plain and not used and "drafted" not in err
     code, out, err = _cli(capsys, *base, "--speculative", "3", "--suffix-draft", "4")
     assert code == 2 and out == "" and "give one speculation flag" in err
+    # a bare flag before the prompt takes the prompt as its value: the error says so
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", *base[1:], "--speculative", PROMPT])
+    captured = capsys.readouterr()
+    assert exited.value.code == 2 and captured.out == "" and "put the prompt first" in captured.err and not used

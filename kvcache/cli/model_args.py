@@ -34,7 +34,10 @@ def _speculative(text: str) -> int | str:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of draft tokens or 'suffix', got {text!r}") from None
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        raise argparse.ArgumentTypeError(f"expected a number of draft tokens or 'suffix', got {shown!r} (a bare "
+                                         "--speculative takes the argument after it: put the prompt first, or "
+                                         "give --speculative 4)") from None  # fmt: skip
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a number of draft tokens >= 0 or 'suffix', got {text!r}")
     return value

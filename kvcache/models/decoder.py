@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..cache import Cache, DynamicCache, StaticCache
+from ..cache import Cache
+from ..caches import DynamicCache, StaticCache
 from ..layers.static_sliding import DEFAULT_ROLLBACK_TOKENS
 from .modules import (
     MLP,

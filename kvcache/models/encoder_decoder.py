@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..cache import DynamicCache
+from ..caches import DynamicCache
 from ..errors import CacheInputError
 from .decoder import ATTENTION_TYPES
 from .modules import (

@@ -18,7 +18,8 @@ from typing import Any, Protocol
 
 import torch
 
-from ..cache import Cache, DynamicCache, StaticCache
+from ..cache import Cache
+from ..caches import DynamicCache, StaticCache
 from ..errors import CacheFormatError, CacheInputError
 from ..layers.base import LAYER_REGISTRY, CacheLayer
 from .header import check_json_value
