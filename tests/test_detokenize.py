@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvcache import CacheInputError
 from kvcache.generation.detokenize import Detokenizer
 
 TEXT = ["The value of the cache is the sum of its tokens. ", "Größe: 5 €, 日本語のテキスト, naïve café. "] * 3
@@ -221,6 +222,8 @@ def test_a_byte_no_continuation_can_complete_is_shown_with_its_token() -> None:
         shown = [fallback.add([token]) for token in spelled]
         assert shown == (["", "", "€"] if reader else ["", "\ufffd", "€"])  # without: "€" streams as U+FFFD
     assert byte_reader(tokenizer("metaspace")) is None and byte_reader(tokenizer("bundled")) is None
+    with pytest.raises(CacheInputError, match="token_bytes must be a TokenBytes"):
+        Detokenizer(decode, read.read)  # the function alone, not what byte_reader returns
 
 
 def test_text_streamer_prints_characters_spelled_in_byte_tokens_whole() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from ..errors import CacheInputError
 from .token_bytes import TokenBytes
 
 #: Tokens kept in front of new ones, at least (a word split over several tokens decodes whole).
@@ -26,6 +27,9 @@ class Detokenizer:
     `token_bytes`: a token's bytes as `decode` reads them (`token_bytes.byte_reader`), or None."""
 
     def __init__(self, decode: Callable[[list[int]], str], token_bytes: TokenBytes | None = None) -> None:
+        if token_bytes is not None and not isinstance(token_bytes, TokenBytes):
+            raise CacheInputError(f"token_bytes must be a TokenBytes (token_bytes.byte_reader) or None, got "
+                                  f"{type(token_bytes).__name__}")  # fmt: skip
         self.decode, self.token_bytes = decode, token_bytes
         self.tokens: list[int] = []
         self.text = ""  # the text of tokens[: self.read]
