@@ -557,14 +557,7 @@ def test_cold_newcomers_are_prefilled_together_and_store_what_they_computed(bund
     engine = Engine(counting, store, eos=[], max_step_tokens=512)
     lengths = (9, 60, 17, 33, 40, 16, 50, 25)
     prompts = [prompt_ids(tokenizer, i, n) for i, n in enumerate(lengths)]
-    engine.start()
-    try:
-        first = [Request(prompt=p, max_tokens=8, sampling=Sampling(False)) for p in prompts]
-        run_requests(engine, first)
-        again = [Request(prompt=p, max_tokens=8, sampling=Sampling(False)) for p in prompts]
-        run_requests(engine, again)
-    finally:
-        engine.stop()
+    first, again = twice(engine, prompts, 8)
     assert (len(lengths), max(lengths)) in counting.fed  # one forward for the burst
     for prompt, a, b in zip(prompts, first, again, strict=True):
         want = alone(model, prompt, 8)
@@ -572,6 +565,20 @@ def test_cold_newcomers_are_prefilled_together_and_store_what_they_computed(bund
         assert a.cached_tokens == 0 and b.cached_tokens == (len(prompt) - 1) // 16 * 16
     for prompt in prompts:
         assert_stored_as_alone(store, model, counting, prompt, first=16)
+
+
+def twice(engine: Engine, prompts: list[list[int]], n: int) -> tuple[list[Request], list[Request]]:
+    """Greedy requests of `n` tokens for `prompts`, sent together, then the same again once the
+    first ones are done (they find what the first ones stored)."""
+    engine.start()
+    try:
+        first = [Request(prompt=p, max_tokens=n, sampling=Sampling(False)) for p in prompts]
+        run_requests(engine, first)
+        again = [Request(prompt=p, max_tokens=n, sampling=Sampling(False)) for p in prompts]
+        run_requests(engine, again)
+    finally:
+        engine.stop()
+    return first, again
 
 
 def assert_stored_as_alone(store, model, counting, prompt: list[int], first: int) -> None:
@@ -613,29 +620,81 @@ def test_a_failed_group_prefill_falls_back_to_one_prompt_at_a_time(bundled) -> N
     assert sum(1 for s in failing.fed if s[0] == 1 and s[1] > 1) == len(prompts)  # each alone
 
 
+def tiny_hybrid():
+    """A float64 `HybridLM`: linear attention, full attention, a parallel hybrid, a narrow window."""
+    from kvcache.models import HybridConfig, HybridLM
+
+    torch.manual_seed(0)
+    layer_types = ["linear_attention", "full_attention", "hybrid", "sliding_attention"]
+    return HybridLM(HybridConfig(vocab_size=512, layer_types=layer_types, sliding_window=8)).double().eval()
+
+
+class LockstepModel(CountingModel):
+    """The model, noting every forward of several prompts: such a forward must hold no padding
+    (no attention mask) and every row at the same positions."""
+
+    def __call__(self, ids, **kwargs):
+        positions = kwargs.get("position_ids")
+        if ids.shape[0] > 1 and ids.shape[1] > 1 and positions is not None and positions.shape[0] > 1:
+            assert kwargs.get("attention_mask") is None and bool((positions == positions[:1]).all())
+        return super().__call__(ids, **kwargs)
+
+
 @pytest.mark.parametrize("kind", ["hybrid", "quantized"])
-def test_newcomers_whose_rows_padding_would_change_are_prefilled_one_at_a_time(bundled, kind: str) -> None:
+def test_newcomers_whose_rows_padding_would_change_are_never_padded(bundled, kind: str) -> None:
     """A recurrent state would run over a left pad, and a quantized layer's blocks would shift with
-    it: for such models a burst of cold newcomers is never grouped (each prompt gets a forward of
-    its own) and every answer equals its prompt decoded alone."""
+    it: for such models a burst of cold newcomers is never padded. A quantized model's prompts get
+    a forward each; a hybrid's are fed together only where their blocks are alike (the same
+    positions, the same length: here the first chunk of the two prompts longer than one), and
+    every answer equals its prompt decoded alone."""
     model, tokenizer = bundled
     if kind == "hybrid":
-        from kvcache.models import HybridConfig, HybridLM
-
-        torch.manual_seed(0)
-        layer_types = ["linear_attention", "full_attention", "hybrid", "sliding_attention"]
-        model = HybridLM(HybridConfig(vocab_size=512, layer_types=layer_types, sliding_window=8)).double().eval()
+        model = tiny_hybrid()
     else:
         model = load_default_model(dtype=torch.float64)[0]
         model.kv_bits = 4
-    counting = CountingModel(model)
+    counting = LockstepModel(model)
     engine = Engine(counting, PrefixStore(chunk_size=16), eos=[])
-    assert not engine.group_prefill
+    assert not engine.group_prefill and engine.lockstep == (kind == "hybrid")
     prompts = [[t % 500 for t in prompt_ids(tokenizer, i, 9 + 4 * i)] for i in range(4)]
     requests, _ = serve_greedy(engine, prompts, 5)
-    assert not [s for s in counting.fed if s[0] > 1 and s[1] > 1]  # no forward of several prompts
+    together = [s for s in counting.fed if s[0] > 1 and s[1] > 1]
+    assert together == ([(2, 16)] if kind == "hybrid" else [])  # prompts of 17 and 21 tokens: their first chunk
     for prompt, request in zip(prompts, requests, strict=True):
         assert request.tokens == alone(model, prompt, 5)
+
+
+def test_a_burst_of_newcomers_to_a_hybrid_is_fed_in_lockstep_and_stored_as_alone(bundled) -> None:
+    """Eight cold prompts to a model with recurrent states (it cannot be padded) arriving together:
+    their first chunks are fed in one forward, their rests of equal length together, no padding;
+    every answer equals its prompt decoded alone; every state stored at a chunk boundary is what
+    the prompt alone computes there (float64: the batched forward differs in the last bits), so
+    the same prompts then hit the store and answer the same."""
+    _, tokenizer = bundled
+    model = tiny_hybrid()
+    counting = LockstepModel(model)
+    store = PrefixStore(chunk_size=16)
+    engine = Engine(counting, store, eos=[], max_step_tokens=512)
+    lengths = (20, 20, 37, 20, 37, 18, 18, 40)
+    prompts = [[t % 500 for t in prompt_ids(tokenizer, i, n)] for i, n in enumerate(lengths)]
+    first, again = twice(engine, prompts, 6)
+    assert counting.fed[0] == (len(prompts), 16)  # every first chunk in one forward
+    assert (3, 4) in counting.fed and (2, 2) in counting.fed  # the rests of 20 and of 18 tokens, together
+    for prompt, a, b in zip(prompts, first, again, strict=True):
+        want = alone(model, prompt, 6)
+        assert a.tokens == want and b.tokens == want
+        assert a.cached_tokens == 0 and b.cached_tokens == (len(prompt) - 1) // 16 * 16
+        for boundary in range(16, len(prompt), 16):
+            reference = model.new_cache()
+            for start in range(0, boundary, 16):  # alone, a chunk a forward (as a lone prompt is fed)
+                model(torch.tensor([prompt[start : start + 16]]), cache=reference,
+                      position_ids=torch.arange(start, start + 16)[None])  # fmt: skip
+            reused, cache = store.lookup([*prompt[:boundary], 0], counting)
+            assert reused == boundary
+            for got, want_layer in zip(cache, reference, strict=True):
+                assert got.state.keys() == want_layer.state.keys()
+                for name, tensor in got.state.items():
+                    torch.testing.assert_close(tensor, want_layer.state[name], rtol=0, atol=1e-10)
 
 
 @pytest.mark.parametrize("kind", ["bundled", "gemma3"])

@@ -103,6 +103,8 @@ class Engine:
             raise CacheInputError("the served model's cache has static layers, which the prefix store cannot keep")
         self.block_limit = prefill.block_limit(model, store.chunk_size)
         self.group_prefill = prefill.groupable(model)
+        #: newcomers holding as many tokens feed equal blocks in one forward (models that cannot be padded)
+        self.lockstep = not self.group_prefill and prefill.lockstep(model)
         blocks = [block for layer in model.new_cache() if (block := layer.forward_block)]
         #: drafts stop at multiples of this: every chunk boundary, and no quantized block boundary crossed
         self.draft_step = math.gcd(store.chunk_size, *blocks)

@@ -26,8 +26,11 @@ from typing import Any
 
 import torch
 
+from ..cache import Cache
 from ..layers.dynamic import DynamicLayer
 from ..layers.empty import EmptyLayer
+from ..layers.hybrid import HybridLayer
+from ..layers.recurrent import RecurrentLayer
 from ..layers.sliding import SlidingWindowLayer
 from ..protocol import last_logits, takes_logits_to_keep
 from ..store.payloads import capture_back, prefill_span
@@ -62,6 +65,17 @@ def start(engine: Any, request: Any) -> None:
         engine.metrics.tokens_reused.inc(request.cached_tokens)
 
 
+def next_block(engine: Any, request: Any, budget: int) -> int:
+    """How many tokens `request`'s next prefill block feeds with `budget`: the rest of its prompt,
+    or up to the last chunk boundary the budget and the layers' span reach (0: none reached)."""
+    chunk, held = engine.store.chunk_size, request.session.length
+    rest = len(request.prompt) - held
+    n = min(rest, budget, engine.block_limit)
+    if n < rest:
+        n = (held + n) // chunk * chunk - held
+    return max(n, 0)
+
+
 def feed(engine: Any, request: Any, budget: int) -> tuple[int, torch.Tensor | None]:
     """Feed the next block of `request`'s prompt, at most `budget` tokens: the tokens fed, and the
     last position's logits `[1, vocab]` once the prompt is done (else None). Feeds nothing (0)
@@ -69,10 +83,7 @@ def feed(engine: Any, request: Any, budget: int) -> tuple[int, torch.Tensor | No
     session, cache, prompt = request.session, request.cache, request.prompt
     chunk = engine.store.chunk_size
     held = session.length
-    rest = len(prompt) - held
-    n = min(rest, budget, engine.block_limit)
-    if n < rest:
-        n = (held + n) // chunk * chunk - held
+    n = next_block(engine, request, budget)
     if n <= 0:
         return 0, None
     end = held + n
@@ -94,6 +105,62 @@ def groupable(model: Any) -> bool:
     nothing a row keeps. Attention layers mask the pads out; a recurrent state would run over them,
     and a quantized layer's blocks sit at absolute positions that padding would shift."""
     return all(type(layer) in (DynamicLayer, SlidingWindowLayer, EmptyLayer) for layer in model.new_cache())
+
+
+#: Layers whose rows of equal lengths a forward computes as each row alone: no padding is needed,
+#: so recurrent states batch as well as attention does (quantized layers are batched per request).
+_LOCKSTEP = (DynamicLayer, SlidingWindowLayer, EmptyLayer, RecurrentLayer)
+
+
+def lockstep(model: Any) -> bool:
+    """Whether newcomers of `model` that hold the same number of tokens may feed blocks of the same
+    length in one forward (`feed_lockstep`): for models that cannot be padded (`groupable` is
+    False: recurrent states), so that a burst of newcomers is not prefilled one forward each."""
+    layers = [part for layer in model.new_cache() for part in
+              ((layer.attention, layer.recurrent) if isinstance(layer, HybridLayer) else (layer,))]  # fmt: skip
+    return all(type(layer) in _LOCKSTEP for layer in layers)
+
+
+def lockstep_followers(engine: Any, first: Any, n: int, others: list[Any], budget: int) -> list[Any]:
+    """Those of `others` (in order) whose next block is `first`'s: the same tokens held, `n` tokens
+    that end their prompt or a chunk, at most one chunk (the one boundary a recurrent state gives);
+    as many as `budget` leaves after `first`'s block."""
+    held, chunk = first.session.length, engine.store.chunk_size
+    if not engine.lockstep or not 0 < n <= chunk:
+        return []
+    followers = []
+    for request in others:
+        if len(followers) + 2 > budget // n:
+            break
+        rest = len(request.prompt) - held
+        if request.session is not None and request.session.length == held and (
+                rest == n or (rest > n and (held + n) % chunk == 0)):  # fmt: skip
+            followers.append(request)
+    return followers
+
+
+def feed_lockstep(engine: Any, requests: list[Any], n: int) -> list[torch.Tensor | None]:
+    """Feed the next `n` prompt tokens of `requests` (all holding as many tokens) in one forward of
+    their stacked caches, no padding; store each one's chunk boundary. A request whose prompt is
+    done gets `rows` (its row of the batch) and its last logits `[1, vocab]`; the others get a
+    cache of their own back (None)."""
+    held = requests[0].session.length
+    end = held + n
+    device = engine.device
+    cache = batch_rows.stack([batch_rows.single(r.cache) for r in requests])[0] if held else engine.model.new_cache()
+    ids = torch.tensor([r.prompt[held:end] for r in requests], dtype=torch.long, device=device)
+    positions = torch.arange(held, end, device=device)[None].expand(len(requests), n)
+    logits = engine.model(ids, cache=cache, position_ids=positions, **last_logits(engine.model))[:, -1]
+    outputs: list[torch.Tensor | None] = []
+    for b, request in enumerate(requests):
+        request.session.fed(n, lambda s, e, b=b: batch_rows.row_payloads(cache, b, 0, s, e))
+        if end == len(request.prompt):
+            request.cache, request.rows = None, [batch_rows.row_state(layer, b, 0) for layer in cache]
+            outputs.append(logits[b : b + 1])
+        else:
+            request.cache = Cache([batch_rows.row_layer(layer, b, 0) for layer in cache])
+            outputs.append(None)
+    return outputs
 
 
 def group_of(engine: Any, waiting: list[Any], budget: int) -> list[Any]:
@@ -219,19 +286,55 @@ def prefill_turn(engine: Any) -> None:
                     engine._prefilled(request, logits)
                 except Exception as exc:  # its first token's sampling: it alone ends
                     engine._drop_failed(request, exc)
-    for position, request in enumerate(waiting):
+    position = 0
+    while position < len(waiting):
+        request = waiting[position]
         floor = engine.store.chunk_size if position == 0 and len(group) < 2 else 1
         if position == 0 and not engine._rows and not engine._ready:  # nobody waits on this forward
             floor = max(floor, IDLE_STEP_TOKENS)
         try:
-            if request.session is None:
+            if request.session is None:  # (a failed group's member, looked up again)
                 start(engine, request)
-            fed, logits = feed(engine, request, max(budget, floor))
-            if logits is not None:
-                engine._prefilled(request, logits)
+            n = next_block(engine, request, max(budget, floor))
+            followers = lockstep_followers(engine, request, n, waiting[position + 1 :], max(budget, floor))
+            if followers:
+                fed = _feed_together_in_lockstep(engine, [request, *followers], n)
+                waiting = [r for r in waiting if r not in followers]
+            else:
+                fed, logits = feed(engine, request, max(budget, floor))
+                if logits is not None:
+                    engine._prefilled(request, logits)
         except Exception as exc:  # this prompt's own failure: it alone ends
             engine._drop_failed(request, exc)
+            position += 1
             continue
+        position += 1
         budget -= fed
         if budget <= 0 or fed == 0:
             break
+
+
+def _feed_together_in_lockstep(engine: Any, requests: list[Any], n: int) -> int:
+    """`feed_lockstep`, then each request whose prompt is done has its first token; a failed forward
+    feeds each of them alone instead. Returns the tokens fed."""
+    try:
+        outputs = feed_lockstep(engine, requests, n)
+    except Exception:  # the group's forward: each member is fed alone instead
+        traceback.print_exc()
+        fed = 0
+        for request in requests:
+            try:
+                tokens, logits = feed(engine, request, n)
+                fed += tokens
+                if logits is not None:
+                    engine._prefilled(request, logits)
+            except Exception as exc:  # this prompt's own failure: it alone ends
+                engine._drop_failed(request, exc)
+        return fed
+    for request, logits in zip(requests, outputs, strict=True):
+        if logits is not None:
+            try:
+                engine._prefilled(request, logits)
+            except Exception as exc:  # its first token's sampling: it alone ends
+                engine._drop_failed(request, exc)
+    return n * len(requests)
