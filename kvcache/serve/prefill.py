@@ -16,7 +16,9 @@ the running batch pads its rows, instead of one forward each. A forward costs fa
 tokens on a small batch (a 15-token prompt alone costs about what 32 decode rows do), so a burst
 of newcomers gets its first tokens in one forward's time. Newcomers that continue cached prefixes
 (a shared system prompt found in the store) are prefilled together too (`feed_past_together`):
-their caches stacked, the rests of their prompts right-padded.
+their caches stacked, the rests of their prompts right-padded. Models that cannot be padded
+(recurrent states) feed newcomers in lockstep instead (`feed_lockstep`): those holding as many
+tokens whose next blocks are alike share one forward, no padding, rows at the same positions.
 """
 
 from __future__ import annotations
