@@ -364,7 +364,3 @@ class Cache:
         for layer in self.layers:
             layer.to(device, dtype)
         return self
-
-
-# The ready-made composites live in `caches`; importing them from here keeps working.
-from .caches import DynamicCache, StaticCache  # noqa: E402, F401
