@@ -108,11 +108,16 @@ def check_flag(value: Any, name: str) -> bool:
     return value
 
 
+def check_positive_int(value: Any, name: str) -> int:
+    """`value` as an int >= 1 (not a bool), else `CacheInputError` naming it `name`."""
+    if not _is_int(value) or value < 1:
+        raise CacheInputError(f"{name} must be a positive int, got {value!r}"[:200])
+    return int(value)
+
+
 def check_repeats(repeats: Any) -> int:
     """A `batch_repeat_interleave` argument: a positive int."""
-    if not _is_int(repeats) or repeats < 1:
-        raise CacheInputError(f"repeats must be a positive int, got {repeats!r}")
-    return repeats
+    return check_positive_int(repeats, "repeats")
 
 
 def check_batch_index(index: Any, name: str, batch_size: int | None) -> torch.Tensor:

@@ -205,7 +205,8 @@ def test_what_cannot_be_rolled_back_is_refused_and_changes_nothing():
         with pytest.raises(RollbackError):
             layer.crop(bad)
     assert layer.meta_state == before[1] and all(torch.equal(layer.state[k], v) for k, v in before[0].items())
-    for bad in ({"bits": 3}, {"group_size": 48}, {"residual": 0}, {"key_groups": "head"}, {"key_groups": None},
+    for bad in ({"bits": 3}, {"group_size": 48}, {"residual": 0}, {"residual": True}, {"key_groups": "head"},
+                {"key_groups": None},
                 {"value_groups": "row"}, {"value_groups": 1}):  # fmt: skip
         with pytest.raises(CacheInputError, match=next(iter(bad))):
             QuantizedLayer(**bad)

@@ -35,7 +35,7 @@ import torch
 from typing_extensions import Self
 
 from ..errors import CacheInputError
-from ..validation import check_move, check_query_length
+from ..validation import check_move, check_positive_int, check_query_length
 from .base import CacheLayer, register_layer
 from .kv_buffer import KVBuffer
 from .quant import (
@@ -48,16 +48,11 @@ from .quant import (
     quantize_channels,
 )
 from .quantized_state import quantize_due, restore, saved_meta, saved_tensors
+from .quantized_view import rows_ahead, seen_as_alone
 
 #: Tokens per block (keys per channel share scales within one): 16 measured better than 32 on the bundled
 #: model at int4 and int2 (benchmarks/quantized.py), and makes the prefix store's 16-token chunks whole blocks.
 DEFAULT_RESIDUAL = 16
-
-
-def _check_residual(residual: Any) -> int:
-    if isinstance(residual, bool) or not isinstance(residual, int) or residual < 1:
-        raise CacheInputError(f"residual must be a positive int, got {residual!r}")
-    return residual
 
 
 @register_layer
@@ -76,7 +71,7 @@ class QuantizedLayer(CacheLayer):
                  key_groups: str = "channel", value_groups: str = "channel") -> None:  # fmt: skip
         super().__init__()
         self.bits, self.group_size = check_quant(bits, group_size)
-        self.residual = _check_residual(residual)
+        self.residual = check_positive_int(residual, "residual")
         self.key_groups = check_groups(key_groups, "key_groups")
         self.value_groups = check_groups(value_groups, "value_groups")
         self._reset()
@@ -128,12 +123,12 @@ class QuantizedLayer(CacheLayer):
         self._check_update(key_states, value_states)
         visible = self._first_visible()
         seen = self._quantized  # the update's tokens and the residual before them are seen in full precision
-        ahead = self._rows_ahead() if self.is_ragged else {}
+        ahead = rows_ahead(self) if self.is_ragged else {}
         self._fp.append(key_states, value_states)
         self._quantize()
         returned = self._assemble(visible, seen)
         if ahead:
-            self._seen_as_alone(returned, visible, seen, ahead)
+            seen_as_alone(self, returned, visible, seen, ahead)
         self._evict()  # after: the queries of this update see the window before them
         return returned
 
@@ -311,27 +306,6 @@ class QuantizedLayer(CacheLayer):
             whole.narrow(2, split - start, longest - split).copy_(fp.narrow(2, split - self._fp_start, longest - split))
             out.append(whole)
         return out[0], out[1]
-
-    def _rows_ahead(self) -> dict[int, int]:
-        """Rows whose own length quantizes more than the shortest row's: row -> tokens it quantizes."""
-        shortest = self._quantized
-        targets = {b: self._target(n) for b, n in enumerate(self.row_lengths())}
-        return {b: q for b, q in targets.items() if q > shortest}
-
-    def _seen_as_alone(self, returned: tuple[torch.Tensor, torch.Tensor], start: int, seen: int,
-                       ahead: dict[int, int]) -> None:  # fmt: skip
-        """A row longer than the shortest sees its own blocks quantized, as it would in a batch of
-        rows as long as it (the quantized part is shared, so they are held in full precision):
-        each such block quantized from its full-precision copy and read back, per row."""
-        fp_keys, fp_values = self._fp.tail(len(self._fp))
-        split = max(seen, start)
-        for b, upto in ahead.items():
-            if upto <= split:
-                continue
-            lo = self._block_floor(split)  # >= the shared quantized part: its copies are held
-            for i, (fp, whole) in enumerate(zip((fp_keys, fp_values), returned, strict=True)):
-                back = self._read_back(fp[b : b + 1].narrow(2, lo - self._fp_start, upto - lo), self._per_channel[i])
-                whole[b : b + 1].narrow(2, split - start, upto - split).copy_(back.narrow(2, split - lo, upto - split))
 
     # ------------------------------------------------------------------------ rollback
     def row_rollback(self) -> list[int]:
