@@ -253,7 +253,7 @@ def test_counts_fed_whole_or_piece_by_piece_equal_a_recount_of_every_context(dep
     """A drafter feeds its sequence a few tokens at a time (`start` past what it fed): the counts
     equal those of one feed of the whole sequence, and every context of 1 to `depth` tokens finds
     the continuations a recount of the tuples finds."""
-    from kvcache.generation.suffix import ContinuationCounts
+    from kvcache.generation.continuation_counts import ContinuationCounts
 
     rng = random.Random(depth)
     seq = [rng.randrange(5) for _ in range(120)]

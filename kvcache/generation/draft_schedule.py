@@ -284,13 +284,22 @@ class DraftGate:
         plain = cost(1)
         if allowed <= 0 or plain is None:
             return 0
-        rates = [(n, min(self.acceptance_at(match) if acceptance is None else acceptance, 0.999)) for n, match in rows]
+        # rows alike (offered tokens, acceptance) priced together: a step's pricing is O(width x kinds)
+        kinds: dict[tuple[int, float], int] = {}
+        for n, match in rows:
+            key = (n, min(self.acceptance_at(match) if acceptance is None else acceptance, 0.999))
+            kinds[key] = kinds.get(key, 0) + 1
+        groups = sorted(([n, a, count, 1.0] for (n, a), count in kinds.items()), reverse=True)  # [n, a, rows, a^k]
         best, best_rate = 0, self.MARGIN * len(rows) / max(plain, 1e-9)
-        emitted = float(len(rows))
+        emitted, fed, drafting = float(len(rows)), 1, len(groups)
         for k in range(1, allowed + 1):
-            emitted += sum(a**k for n, a in rates if n >= k)
-            fed = packed_tokens([1 + min(n, k) for n, _ in rows]) if self.packed else 1 + k
-            rate = emitted / cost(fed)  # type: ignore[operator]
+            while groups[drafting - 1][0] < k:  # (allowed <= the most offered: some group drafts)
+                drafting -= 1
+            for group in groups[:drafting]:
+                group[3] *= group[1]
+                emitted += group[2] * group[3]
+                fed += group[2]  # packed: every row still drafting feeds one more token
+            rate = emitted / cost(fed if self.packed else 1 + k)  # type: ignore[operator]
             if rate > best_rate:
                 best, best_rate = k, rate
         anchor_every = ForwardCost.QUIET if cost.anchored else ForwardCost.ANCHOR

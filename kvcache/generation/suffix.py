@@ -32,9 +32,8 @@ from typing import Any
 import torch
 
 from ..errors import GenerationError
+from .continuation_counts import Context, ContinuationCounts
 from .drafters import Draft, Drafter, DraftPicker
-
-Context = tuple[int, ...]
 
 #: Answers kept per prompt ending (the most recent), for `SuffixCorpus.answers_after`.
 ANSWERS_PER_PROMPT = 4
@@ -44,61 +43,6 @@ def _check_positive(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise GenerationError(f"{name} must be a positive int, got {value!r}")
     return value
-
-
-class ContinuationCounts:
-    """How often each token followed each context of 1 to `depth` tokens, over fed token lists.
-
-    A context is keyed by the hash of its tokens (an int, not the tuple). Two contexts of one hash
-    would share counts; that can only make a draft worse, never an output: every draft is
-    verified by the target. Most long contexts were followed by one token only: theirs is held as
-    one int (`count << 32 | token`), a dict only once a second token follows (a fifth of the
-    memory of a dict each)."""
-
-    def __init__(self, depth: int) -> None:
-        self.depth = depth
-        self.counts: dict[int, int | dict[int, int]] = {}
-
-    def add(self, tokens: Sequence[int], start: int = 0, sign: int = 1) -> None:
-        """Count (or with `sign=-1` uncount) every continuation of `tokens` whose next token is at
-        position `start` or later."""
-        first, depth = max(start, 1), self.depth
-        base = max(first - depth, 0)  # the tokens the new contexts reach back to, as a tuple (its slices are)
-        counts, tokens = self.counts, tuple(tokens[base:])
-        for end in range(first - base, len(tokens)):
-            following = tokens[end]
-            for begin in range(end - 1, max(end - depth, 0) - 1, -1):
-                key = hash(tokens[begin:end])
-                held = counts.get(key)
-                if held is None:
-                    counts[key] = 1 << 32 | following  # sign is +1: a sequence is uncounted only once counted
-                elif isinstance(held, dict):
-                    left = held.get(following, 0) + sign
-                    if left > 0:
-                        held[following] = left
-                    else:
-                        del held[following]
-                        if len(held) == 1:
-                            ((token, count),) = held.items()
-                            counts[key] = count << 32 | token
-                elif held & 0xFFFFFFFF == following:
-                    count = (held >> 32) + sign
-                    if count > 0:
-                        counts[key] = count << 32 | following
-                    else:
-                        del counts[key]
-                else:
-                    counts[key] = {held & 0xFFFFFFFF: held >> 32, following: 1}
-
-    def seen(self, context: Context) -> bool:
-        """Whether `context` was followed by some token (then every suffix of it was too)."""
-        return hash(context) in self.counts
-
-    def get(self, context: Context) -> dict[int, int] | None:
-        held = self.counts.get(hash(context))
-        if held is None or isinstance(held, dict):
-            return held
-        return {held & 0xFFFFFFFF: held >> 32}
 
 
 class SuffixCorpus:
@@ -258,7 +202,7 @@ class SuffixDrafter(Drafter):
         if isinstance(per_match, bool) or not isinstance(per_match, (int, float)) or not per_match > 0:
             raise GenerationError(f"per_match must be a positive number, got {per_match!r}")
         self.per_match = float(per_match)
-        self._own = ContinuationCounts(self.corpus.max_depth)
+        self._reset_own()
         self._tokens: list[int] = []
         self._prompt_length = 0
         self._answers: list[_Answer] = []  # earlier answers to a prompt that ended as this one does
@@ -267,13 +211,13 @@ class SuffixDrafter(Drafter):
     def __deepcopy__(self, memo: dict[int, Any]) -> SuffixDrafter:
         """A batch copies the drafter per row: each row gets its own sequence, the corpus is shared."""
         twin = copy.copy(self)
-        twin._own, twin._tokens, twin._prompt_length = ContinuationCounts(self.corpus.max_depth), [], 0
+        twin._reset_own()
+        twin._tokens, twin._prompt_length = [], 0
         twin._answers, twin._key = [], None
         return twin
 
     def start(self, prompt: Sequence[int], *, device: torch.device, **kwargs: Any) -> None:
         self.finish()
-        self._own = ContinuationCounts(self.corpus.max_depth)
         self._tokens = []
         self._catch_up(prompt)
         self._prompt_length = len(self._tokens)
@@ -287,7 +231,8 @@ class SuffixDrafter(Drafter):
         self.leave()
         if self._tokens:
             self.corpus.add(self._tokens, self._prompt_length)
-        self._tokens, self._own, self._prompt_length = [], ContinuationCounts(self.corpus.max_depth), 0
+        self._tokens, self._prompt_length = [], 0
+        self._reset_own()
 
     def leave(self) -> None:
         """Stop offering this answer to other drafters as one being decoded (its request ended;
@@ -299,10 +244,21 @@ class SuffixDrafter(Drafter):
         done = len(self._tokens)
         if len(sequence) < done or list(sequence[max(done - 1, 0) : done]) != self._tokens[max(done - 1, 0) :]:
             self.leave()
-            self._own, self._tokens, done = ContinuationCounts(self.corpus.max_depth), [], 0
+            self._reset_own()
+            self._tokens, done = [], 0
             self._prompt_length = 0  # a sequence of its own: fed whole
         self._tokens.extend(int(t) for t in sequence[done:])
-        self._own.add(self._tokens, start=max(done, 1))
+
+    def _reset_own(self) -> None:
+        self._own, self._counted = ContinuationCounts(self.corpus.max_depth), 0
+
+    def _own_counts(self) -> dict[int, int | dict[int, int]]:
+        """The sequence's own continuation counts, brought up to date: counted when drafting from
+        counts needs them, so a row that follows an earlier answer never counts its prompt."""
+        if self._counted < len(self._tokens):
+            self._own.add(self._tokens, start=max(self._counted, 1))
+            self._counted = len(self._tokens)
+        return self._own.counts
 
     def propose(self, sequence: Sequence[int], num_tokens: int, pick: DraftPicker) -> Draft:
         if num_tokens <= 0:
@@ -354,7 +310,7 @@ class SuffixDrafter(Drafter):
         return list(max(votes.items(), key=lambda item: item[1])[0]) if votes else []
 
     def _seen(self, key: int) -> bool:
-        return key in self.corpus._counts.counts or key in self._own.counts
+        return key in self.corpus._counts.counts or key in self._own_counts()
 
     def _longest_seen(self, context: list[int], at_most: int) -> tuple[int, int]:
         """The length of the longest suffix of `context` (of `min_match` to `at_most` tokens) seen as a
@@ -382,7 +338,7 @@ class SuffixDrafter(Drafter):
     def _most_frequent(self, key: int) -> int | None:
         """The most frequent continuation of the seen context of key `key`, if it followed at least
         `min_share` of the times (None otherwise)."""
-        ours, own = self.corpus._counts.counts.get(key), self._own.counts.get(key)
+        ours, own = self.corpus._counts.counts.get(key), self._own_counts().get(key)
         if isinstance(ours, int) and own is None:  # one token ever followed it: the usual case
             return ours & 0xFFFFFFFF
         merged: dict[int, int] = {}
