@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 from servers import free_port
@@ -127,6 +128,20 @@ def _rss(pid: int) -> int:
     return 0
 
 
+def byte_level_bpe(corpus: list[str], vocab_size: int, special: list[str]) -> Any:
+    """A byte-level BPE tokenizer (`tokenizers.Tokenizer`, as GPT-2's and Llama 3's) trained on
+    `corpus`, the `special` tokens first (`special[0]` the unknown token)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE(unk_token=special[0]))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    bpe.train_from_iterator(corpus, trainer)
+    return bpe
+
+
 def tiny_model_dir(path: Path, kind: str = "llama") -> Path:
     """A tiny random transformers model (`kind`: "llama"; "gemma3": sliding-window and full
     attention; "lfm2": short convolutions and attention; "jamba": Mamba1 mixers and attention) and
@@ -137,15 +152,10 @@ def tiny_model_dir(path: Path, kind: str = "llama") -> Path:
 
     transformers = pytest.importorskip("transformers")
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import processors
 
-    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
-    bpe.train_from_iterator(["The value of the cache is the sum of its tokens. " * 5, "user assistant system"],
-                            trainer)  # fmt: skip
+    bpe = byte_level_bpe(["The value of the cache is the sum of its tokens. " * 5, "user assistant system"], 300,
+                         ["<unk>", "<s>", "</s>"])  # fmt: skip
     bos = bpe.token_to_id("<s>")  # the tokenizer adds a BOS, as Llama's does
     bpe.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>",

@@ -96,9 +96,10 @@ class TextModel:
         root = fingerprint(self.model, [], namespace="saved-cache", chunk_size=0, key=None)
         return f"transformers-{root.hex()[:32]}"
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         """The prompt text of a conversation (see the module docstring for the bundled template; a
-        transformers tokenizer's own chat template otherwise)."""
+        transformers tokenizer's own chat template otherwise, given the function `tools` the model
+        may call)."""
         if self.kind == "bundled":
             lines = []
             for message in messages:
@@ -107,7 +108,8 @@ class TextModel:
             return "".join(lines) + "Assistant:"
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise CacheInputError(f"the tokenizer of {self.name} has no chat template: use /v1/completions")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        extra = {} if tools is None else {"tools": tools}
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
 
 
 #: What `kvcache.serve` called it.

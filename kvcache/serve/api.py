@@ -32,6 +32,7 @@ from .completion import Completion, stream, usage, whole
 from .engine import Engine, Request
 from .schema import ApiError, Limits, Params, chat_params, completion_params, parse_json
 from .served import ServedModel
+from .tools import tools_refused
 
 
 def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = None,
@@ -96,7 +97,7 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
                                   prompt_logprobs=params.logprobs if params.echo else None)  # fmt: skip
                 echo = (original if isinstance(original, str) else served.decode(prompt)) if params.echo else None
                 choices.append(Completion(served, engine, request, params.stop, chat=chat, index=i * params.n + j,
-                                          counts_prompt=j == 0, echo=echo))  # fmt: skip
+                                          counts_prompt=j == 0, echo=echo, tools=params.tools is not None))  # fmt: skip
                 metrics.prompt_tokens.inc(len(prompt))
                 engine.submit(request)
         return choices
@@ -117,8 +118,13 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
         body = await read(http)
         params = (chat_params if chat else completion_params)(body, served.name, limits)
         if chat:
+            messages = params.messages or []
+            if params.tools is not None or any(m["role"] == "tool" or "tool_calls" in m for m in messages):
+                refused = tools_refused(served)
+                if refused:
+                    raise ApiError(400, refused, param="tools" if params.tools is not None else "messages")
             try:
-                params.prompts = [served.chat_prompt(params.messages or [])]
+                params.prompts = [served.chat_prompt(messages, params.tools)]
             except KVCacheError as err:
                 raise ApiError(400, str(err), param="messages") from None
         choices = submit(params, chat)

@@ -19,6 +19,7 @@ from .events import asyncio_sink
 from .logprobs import TokenLogprobs, chat_logprobs, completion_logprobs, echoed_logprobs, joined
 from .schema import ApiError
 from .served import ServedModel
+from .tools import ToolCall, ToolCallReader
 
 #: How often a non-streamed answer checks whether its client is still there (seconds).
 DISCONNECT_POLL_S = 0.1
@@ -32,7 +33,7 @@ class Completion:
 
     def __init__(self, served: ServedModel, engine: Any, request: Request, stops: list[str], *,
                  chat: bool = False, index: int = 0, counts_prompt: bool = True,
-                 echo: str | None = None) -> None:  # fmt: skip
+                 echo: str | None = None, tools: bool = False) -> None:  # fmt: skip
         self.served, self.engine, self.request, self.stops, self.chat = served, engine, request, stops, chat
         self.index, self.counts_prompt, self.echo = index, counts_prompt, echo
         self.prompt_logprobs: list[TokenLogprobs] | None = None  # the engine's "prompt" event, when asked
@@ -44,6 +45,7 @@ class Completion:
         self.logprobs: list[TokenLogprobs] = []  # the tokens' log probabilities, when the request asked
         self._offset = (0, len(echo or ""))  # (tokens shaped so far, where their text ends), for text_offset
         self.detokenizer = Detokenizer(served.decode, served.token_bytes)
+        self.calls = ToolCallReader() if tools else None  # a chat offered tools: its text may hold calls
 
     def _take(self, value: int | TokenLogprobs) -> int:
         """A token event's token (and its log probabilities, kept)."""
@@ -97,6 +99,12 @@ class Completion:
         finally:
             if self.finish_reason is None:
                 self.request.cancel()  # the client went away (or the stream was closed): the row leaves
+
+    def shown_finish_reason(self) -> str | None:
+        """The answer's `finish_reason`: "tool_calls" where it stopped after calling tools."""
+        if self.calls is not None and self.calls.calls and self.finish_reason == "stop":
+            return "tool_calls"
+        return self.finish_reason
 
     def logprobs_since(self, start: int) -> dict[str, Any]:
         """The `logprobs` object (chat's or completions') of the completion's tokens from `start` on:
@@ -164,13 +172,25 @@ async def whole(http: HttpRequest, choices: list[Completion], chat: bool, logpro
         shaped: dict[str, Any] = {"index": choice.index, "finish_reason": choice.finish_reason}
         given = choice.logprobs_since(0) if logprobs else None
         if chat:
-            shaped.update(message={"role": "assistant", "content": content}, logprobs=given)
+            shaped.update(message=_message(choice, content), logprobs=given, finish_reason=choice.shown_finish_reason())
         else:
             echoed = choice.echoed() if logprobs else None
             given = given if echoed is None else joined(echoed, given)
             shaped.update(text=(choice.echo or "") + content, logprobs=given)
         out.append(shaped)
     return out
+
+
+def _message(choice: Completion, text: str) -> dict[str, Any]:
+    """A whole chat answer's message: its text, or the text outside its tool calls and the calls."""
+    if choice.calls is None:
+        return {"role": "assistant", "content": text}
+    parts = [*choice.calls.feed(text), *choice.calls.finish()]
+    calls = [part.shaped() for part in parts if isinstance(part, ToolCall)]
+    content = "".join(part for part in parts if isinstance(part, str))
+    if not calls:
+        return {"role": "assistant", "content": content}
+    return {"role": "assistant", "content": content or None, "tool_calls": calls}
 
 
 async def _watch(http: HttpRequest, choices: list[Completion]) -> None:
@@ -231,13 +251,17 @@ async def _chunks(choice: Completion, head: dict[str, Any], kind: str, chat: boo
     """One choice's SSE lines, each with whether it reports a failure (the stream's last)."""
     reported = 0
 
-    def chunk(delta: str | None, finish: str | None, first: bool = False) -> str:
-        nonlocal reported
+    made = 0  # tool calls streamed so far
+
+    def chunk(delta: str | ToolCall | None, finish: str | None, first: bool = False) -> str:
+        nonlocal reported, made
         given = None
         if logprobs and not first and len(choice.tokens) > reported:
             given, reported = choice.logprobs_since(reported), len(choice.tokens)
         if chat:
             piece: dict[str, Any] = {} if delta is None else {"content": delta}
+            if isinstance(delta, ToolCall):
+                piece, made = {"tool_calls": [delta.shaped(made)]}, made + 1
             if first:
                 piece = {"role": "assistant", "content": ""}
             shaped = {"index": choice.index, "delta": piece, "logprobs": given, "finish_reason": finish}
@@ -256,8 +280,11 @@ async def _chunks(choice: Completion, head: dict[str, Any], kind: str, chat: boo
             usage = {"usage": None} if include_usage else {}
             yield f"data: {json.dumps({**head, 'object': kind, 'choices': [shaped], **usage})}\n\n", False
         async for piece in choice.deltas():
-            yield chunk(piece, None), False
+            for part in [piece] if choice.calls is None else choice.calls.feed(piece):
+                yield chunk(part, None), False
+        for part in [] if choice.calls is None else choice.calls.finish():
+            yield chunk(part, None), False
     except ApiError as err:
         yield f"data: {json.dumps(err.body())}\n\n", True
         return
-    yield chunk(None, choice.finish_reason), False
+    yield chunk(None, choice.shown_finish_reason()), False

@@ -17,16 +17,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .api_error import ApiError
+from .tools import assistant_calls, check_tools
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def body(self) -> dict[str, Any]:
-        kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
-            self.status, "invalid_request_error" if self.status < 500 else "server_error")  # fmt: skip
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+__all__ = ["ApiError", "Limits", "Params", "chat_params", "completion_params", "parse_json"]
 
 
 #: Fields accepted only at these values (OpenAI defines them; this server does not implement them).
@@ -35,6 +29,8 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (1,), "echo": (False,), "suffix": (None, ""),
     "tools": (None, []), "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
     "parallel_tool_calls": (None,)}  # fmt: skip
+#: Of those, the ones a chat completion implements (`tools`).
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 #: Fields accepted and ignored (they change nothing here).
 IGNORED = {"user", "metadata", "store", "service_tier"}
 #: Temperatures above 0 and below this decode greedily (dividing logits by less overflows them).
@@ -75,7 +71,8 @@ class Params:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # a chat's function tools, as its template takes them
     logprobs: int | None = None  # None: no log probabilities; k: the chosen token's and the top k
     n: int = 1
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, added to the logits
@@ -153,12 +150,12 @@ def _same(value: Any, neutral: Any) -> bool:
 
 
 def _common(body: dict[str, Any], allowed: set[str], model: str, limits: Limits, max_name: str,
-            least_tokens: int = 1) -> Params:  # fmt: skip
+            least_tokens: int = 1, implemented: tuple[str, ...] = ()) -> Params:  # fmt: skip
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise ApiError(400, f"unrecognized request argument(s): {', '.join(unknown)}", param=unknown[0])
     for name, neutral in NEUTRAL.items():
-        if name in body and not any(_same(body[name], v) for v in neutral):
+        if name in body and name not in implemented and not any(_same(body[name], v) for v in neutral):
             shown = " or ".join(json.dumps(v) for v in neutral)
             raise ApiError(400, f"{name}={body[name]!r} is not supported by this server (only {shown})",
                            param=name)  # fmt: skip
@@ -252,7 +249,8 @@ def _token_ids(value: Any) -> bool:
 
 
 def chat_params(body: dict[str, Any], model: str, limits: Limits) -> Params:
-    params = _common(body, CHAT_FIELDS, model, limits, "max_completion_tokens")
+    params = _common(body, CHAT_FIELDS, model, limits, "max_completion_tokens", implemented=TOOL_FIELDS)
+    params.tools = check_tools(body)
     wanted, top = body.get("logprobs"), body.get("top_logprobs")
     if wanted is not None and not isinstance(wanted, bool):
         raise ApiError(400, f"logprobs must be a boolean, got {wanted!r}", param="logprobs")
@@ -263,20 +261,37 @@ def chat_params(body: dict[str, Any], model: str, limits: Limits) -> Params:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list", param="messages")
-    checked = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant", "developer"):
-            raise ApiError(400, f"messages[{i}] must be an object with a role of system, developer, user or assistant",
-                           param=f"messages[{i}]")  # fmt: skip
-        content = message.get("content")
-        if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):  # fmt: skip
-                raise ApiError(400, f"messages[{i}].content parts must all be text", param=f"messages[{i}].content")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise ApiError(400, f"messages[{i}].content must be a string", param=f"messages[{i}].content")
-        role = "system" if message["role"] == "developer" else message["role"]
-        checked.append({"role": role, "content": content})
-    params.messages = checked
+    params.messages = [_message(i, message) for i, message in enumerate(messages)]
     return params
+
+
+def _message(i: int, message: Any) -> dict[str, Any]:
+    """A chat message as the chat template takes it: its role and text, and a tool turn's parts
+    (an assistant's `tool_calls`, a tool's `tool_call_id`)."""
+    roles = ("system", "user", "assistant", "developer", "tool")
+    if not isinstance(message, dict) or message.get("role") not in roles:
+        raise ApiError(400, f"messages[{i}] must be an object with a role of system, developer, user, assistant "
+                       "or tool", param=f"messages[{i}]")  # fmt: skip
+    content = message.get("content")
+    calls = message.get("tool_calls")
+    if message["role"] == "assistant" and calls is not None and content is None:
+        content = ""  # an assistant turn of tool calls alone
+    if isinstance(content, list):  # content parts: text only
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):  # fmt: skip
+            raise ApiError(400, f"messages[{i}].content parts must all be text", param=f"messages[{i}].content")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise ApiError(400, f"messages[{i}].content must be a string", param=f"messages[{i}].content")
+    role = "system" if message["role"] == "developer" else message["role"]
+    shaped: dict[str, Any] = {"role": role, "content": content}
+    if calls is not None:
+        if role != "assistant":
+            raise ApiError(400, f"messages[{i}]: only an assistant message has tool_calls", param=f"messages[{i}]")
+        shaped["tool_calls"] = assistant_calls(i, calls)
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str):
+            raise ApiError(400, f"messages[{i}].tool_call_id must be a string", param=f"messages[{i}].tool_call_id")
+        shaped["tool_call_id"] = call_id
+    return shaped

@@ -1,0 +1,200 @@
+"""Tool calls in chat completions: the `tools` a request offers and the tool turns of its
+conversation, checked and shaped for the model's chat template; and the calls the model writes,
+read out of its text, whole or while it streams.
+
+The calls are read in the format of Qwen's and Hermes' chat templates, the one most open models
+with tool use are trained on: each call a JSON object `{"name": ..., "arguments": {...}}` between
+`<tool_call>` and `</tool_call>`. A model is served with tools when its chat template writes the
+tools and asks for that format; other models refuse `tools` with a 400 rather than answer with
+calls no one reads. Text between calls is the message's content (whitespace next to a call is the
+template's layout, not content); a region that does not hold such an object, or that the answer
+ended inside, stays content, as the model wrote it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from .api_error import ApiError
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+#: The most tools one request may offer (OpenAI's limit).
+MAX_TOOLS = 128
+#: What OpenAI allows as a function's name.
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def tools_refused(served: Any) -> str | None:
+    """Why `served` (a `TextModel`) cannot be served with tools, None when it can: its chat template
+    must write the request's tools and ask for `<tool_call>` JSON, and its tokenizer must decode that
+    tag as text."""
+    tokenizer = served.tokenizer
+    template = None if served.kind == "bundled" else getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str) or "tools" not in template or OPEN not in template:
+        return ("the served model's chat template does not write tools in the format this server reads "
+                f"({OPEN} JSON {CLOSE}, as Qwen's and Hermes' templates ask for)")  # fmt: skip
+    if OPEN in getattr(tokenizer, "all_special_tokens", ()):
+        return f"the served model's tokenizer drops {OPEN} from decoded text (a special token)"
+    return None
+
+
+def check_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The request's `tools` as the chat template takes them (OpenAI's function tools), or None when
+    it offers none or `tool_choice` is "none". `tool_choice` "auto" (the default) lets the model
+    choose; a forced choice ("required", a named function) is refused: nothing here makes a model
+    call a tool."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if choice not in (None, "none", "auto"):
+        raise ApiError(400, f"tool_choice={choice!r} is not supported by this server (only \"auto\" or \"none\")",
+                       param="tool_choice")  # fmt: skip
+    if body.get("parallel_tool_calls") not in (None, True):
+        raise ApiError(400, "parallel_tool_calls=false is not supported by this server", param="parallel_tool_calls")
+    if tools is None or tools == []:
+        if choice == "auto":
+            raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+        return None
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise ApiError(400, f"tools must be a list of at most {MAX_TOOLS} tools", param="tools")
+    shaped, names = [], set()
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
+            raise ApiError(400, f'tools[{i}] must be {{"type": "function", "function": {{...}}}}', param=f"tools[{i}]")
+        name = function.get("name")
+        if not isinstance(name, str) or not NAME.fullmatch(name) or name in names:
+            raise ApiError(400, f"tools[{i}].function.name must be a new name of 1 to 64 letters, digits, _ or -, "
+                           f"got {name!r}", param=f"tools[{i}].function.name")  # fmt: skip
+        names.add(name)
+        unknown = sorted(set(function) - {"name", "description", "parameters", "strict"})
+        if unknown:
+            raise ApiError(400, f"tools[{i}].function has unknown field(s): {', '.join(unknown)}",
+                           param=f"tools[{i}].function")  # fmt: skip
+        if not isinstance(function.get("description", ""), str):
+            raise ApiError(400, f"tools[{i}].function.description must be a string", param=f"tools[{i}].function")
+        if not isinstance(function.get("parameters", {}), dict):
+            raise ApiError(400, f"tools[{i}].function.parameters must be a JSON Schema object",
+                           param=f"tools[{i}].function.parameters")  # fmt: skip
+        shaped.append({"type": "function", "function": {k: v for k, v in function.items() if k != "strict"}})
+    return None if choice == "none" else shaped
+
+
+def assistant_calls(i: int, calls: Any) -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls` (OpenAI's: arguments as JSON text) as chat templates take
+    them: arguments as an object (a template writes them with `tojson`)."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list) or not calls:
+        raise ApiError(400, f"{where} must be a non-empty list", param=where)
+    shaped = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(function, dict) or call.get("type", "function") != "function" or not isinstance(name, str):
+            raise ApiError(400, f'{where}[{j}] must be {{"type": "function", "function": {{"name", "arguments"}}}}',
+                           param=f"{where}[{j}]")  # fmt: skip
+        arguments = _arguments(function.get("arguments", "{}"))
+        if arguments is None:
+            raise ApiError(400, f"{where}[{j}].function.arguments must be a JSON object (as text)",
+                           param=f"{where}[{j}].function.arguments")  # fmt: skip
+        shaped.append({"id": str(call.get("id", "")), "type": "function",
+                       "function": {"name": name, "arguments": arguments}})  # fmt: skip
+    return shaped
+
+
+def _arguments(value: Any) -> dict[str, Any] | None:
+    """A call's arguments as an object: given as one, or as JSON text of one; None otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    return value if isinstance(value, dict) else None
+
+
+@dataclass
+class ToolCall:
+    """One call the model wrote: a function's name and its arguments (JSON text of an object)."""
+
+    name: str
+    arguments: str
+
+    def shaped(self, index: int | None = None) -> dict[str, Any]:
+        """The call as OpenAI writes it (with its `index` in a stream's delta)."""
+        out = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+               "function": {"name": self.name, "arguments": self.arguments}}  # fmt: skip
+        return out if index is None else {"index": index, **out}
+
+
+def _call(body: str) -> ToolCall | None:
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = _arguments(value.get("arguments", value.get("parameters", {})))
+    return None if arguments is None else ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _opening(text: str) -> int:
+    """How many of `text`'s last characters could begin `OPEN`, with the whitespace before them."""
+    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if OPEN.startswith(text[-n:]):
+            return len(text) - len(text[: len(text) - n].rstrip())
+    return len(text) - len(text.rstrip())
+
+
+class ToolCallReader:
+    """A chat answer's text, fed piece by piece, as content pieces and `ToolCall`s in order: what
+    it gives for any split of the text is what it gives for the whole (held back: text that may yet
+    open a call, and a call until it closes)."""
+
+    def __init__(self) -> None:
+        self._held = ""
+        self._inside = False  # between OPEN and its CLOSE
+        self._after_call = False  # the whitespace that follows a call is layout
+        self.calls = 0
+
+    def feed(self, text: str) -> list[str | ToolCall]:
+        self._held += text
+        out: list[str | ToolCall] = []
+        while True:
+            if self._inside:
+                at = self._held.find(CLOSE)
+                if at < 0:
+                    return out
+                body, self._held, self._inside = self._held[:at], self._held[at + len(CLOSE) :], False
+                call = _call(body)
+                if call is None:
+                    self._content(out, OPEN + body + CLOSE)
+                else:
+                    out.append(call)
+                    self.calls += 1
+                    self._after_call = True
+                continue
+            at = self._held.find(OPEN)
+            if at < 0:
+                keep = _opening(self._held)
+                self._content(out, self._held[: len(self._held) - keep])
+                self._held = self._held[len(self._held) - keep :]
+                return out
+            self._content(out, self._held[:at].rstrip())
+            self._held, self._inside = self._held[at + len(OPEN) :], True
+
+    def finish(self) -> list[str | ToolCall]:
+        """What is still held once the answer ended: text (a call never closed stays text)."""
+        rest, self._held = (OPEN if self._inside else "") + self._held, ""
+        self._inside = False
+        out: list[str | ToolCall] = []
+        self._content(out, rest)
+        return out
+
+    def _content(self, out: list[str | ToolCall], text: str) -> None:
+        if self._after_call:
+            text = text.lstrip()
+            self._after_call = not text
+        if text:
+            out.append(text)

@@ -1,0 +1,211 @@
+"""Tool calls in `kvcache serve`'s chat completions: the reader that takes calls out of an answer's
+text (any split of a text read as the whole), the checks of `tools` and of a conversation's tool
+turns, and a served model that calls tools (`tool_model`: trained here to write calls as Qwen's
+template asks) through the official `openai` client, whole and streamed: the calls it wrote, its
+text around them, and its reply to a tool's result, each what it was trained to write (which it
+writes only if the server rendered the tools and the tool turns as its template does)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+from serve_kit import ServeProcess, module_server  # noqa: E402
+from tool_model import CONVERSATIONS, TOOLS, WEATHER, call_text, called, template_messages, tool_model_dir  # noqa: E402
+
+from kvcache.serve.schema import ApiError, Limits, chat_params, completion_params  # noqa: E402
+from kvcache.serve.tools import CLOSE, OPEN, ToolCall, ToolCallReader  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# ------------------------------------------------------------------------------- the reader
+def read(pieces: list[str]) -> tuple[str, list[tuple[str, dict]]]:
+    """The content and the calls (name, arguments) a reader gives for `pieces` fed in turn."""
+    reader = ToolCallReader()
+    parts = [part for piece in pieces for part in reader.feed(piece)] + reader.finish()
+    calls = [(p.name, json.loads(p.arguments)) for p in parts if isinstance(p, ToolCall)]
+    assert reader.calls == len(calls)
+    return "".join(p for p in parts if isinstance(p, str)), calls
+
+
+words = st.text(st.sampled_from("ab <>_/{}\"tool"), min_size=1, max_size=12).map(str.strip).filter(
+    lambda s: s and OPEN not in s and not OPEN.startswith(s[-min(len(s), 10):]))  # fmt: skip
+arguments = st.dictionaries(st.sampled_from(["city", "n", "q"]), st.one_of(st.integers(), st.text(max_size=5)),
+                            max_size=2)  # fmt: skip
+calls = st.tuples(st.sampled_from(["get_weather", "search"]), arguments)
+layout = st.sampled_from(["", "\n", " \n", "\n\n"])
+
+
+@st.composite
+def answers(draw) -> tuple[str, str, list[tuple[str, dict]]]:
+    """An answer written from parts (text never next to text), its content and calls as the module
+    docstring of `kvcache.serve.tools` defines them: the texts, the calls, layout dropped."""
+    parts = draw(st.lists(st.one_of(words, calls), max_size=5).filter(
+        lambda ps: not any(isinstance(a, str) and isinstance(b, str) for a, b in itertools.pairwise(ps))))  # fmt: skip
+    text, content, made = "", "", []
+    for part in parts:
+        if isinstance(part, str):
+            text, content = text + part, content + part
+        else:
+            body = json.dumps({"name": part[0], "arguments": part[1]}, ensure_ascii=False)
+            text += draw(layout) + OPEN + draw(st.sampled_from(["", "\n"])) + body + "\n" + CLOSE + draw(layout)
+            made.append(part)
+    return text, content if made else text, made
+
+
+@settings(max_examples=150, deadline=None)
+@given(answers(), st.lists(st.integers(0, 200), max_size=6))
+def test_the_reader_gives_each_answers_calls_and_text_for_any_split(answer, cuts) -> None:
+    text, content, made = answer
+    bounds = sorted({min(c, len(text)) for c in cuts})
+    pieces = [text[a:b] for a, b in zip([0, *bounds], [*bounds, len(text)], strict=True)]
+    assert read([text]) == (content, made)
+    assert read(pieces) == (content, made)
+    assert read(list(text)) == (content, made)
+
+
+def test_a_call_that_is_not_json_or_never_closes_stays_text() -> None:
+    assert read(["Hi ", OPEN, "not json", CLOSE]) == ("Hi" + OPEN + "not json" + CLOSE, [])
+    assert read(['x\n<tool_call>{"name": 3}</tool_call>']) == ('x<tool_call>{"name": 3}</tool_call>', [])
+    assert read(["ok\n<tool_call>\n{\"name\": \"f\""]) == ("ok<tool_call>\n{\"name\": \"f\"", [])
+    assert read(["a <tool", "_cal"]) == ("a <tool_cal", [])  # the start of a tag, then not
+    # arguments given as JSON text, or as `parameters` (Llama's name for them), read as an object
+    assert read([OPEN + '{"name": "f", "arguments": "{\\"a\\": 1}"}' + CLOSE]) == ("", [("f", {"a": 1})])
+    assert read([OPEN + '{"name": "f", "parameters": {"a": 1}}' + CLOSE]) == ("", [("f", {"a": 1})])
+
+
+# ------------------------------------------------------------------------------- the checks
+def chat(**body) -> object:
+    return chat_params({"messages": [{"role": "user", "content": "hi"}], **body}, "m", Limits())
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": {"type": "function"}}, "tools"),
+    ({"tools": [{"type": "code_interpreter"}]}, "tools[0]"),
+    ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools[0].function.name"),
+    ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "code": "x"}}]}, "tools[0].function"),
+    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tools": TOOLS, "parallel_tool_calls": False}, "parallel_tool_calls"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": called("Oslo")["tool_calls"]}]}, "messages[0]"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {
+        "name": "f", "arguments": "[1]"}}]}]}, "messages[0].tool_calls[0].function.arguments"),
+    ({"messages": [{"role": "assistant", "tool_calls": []}]}, "messages[0].tool_calls"),
+])  # fmt: skip
+def test_bad_tools_and_tool_turns_are_400s_naming_the_field(body, param) -> None:
+    with pytest.raises(ApiError) as caught:
+        chat(**body)
+    assert caught.value.status == 400 and caught.value.param == param, caught.value.message
+
+
+def test_tools_and_tool_turns_are_shaped_as_chat_templates_take_them() -> None:
+    assert chat(tools=TOOLS).tools == TOOLS
+    turns = [{"role": "user", "content": "w?"}, called("Oslo"), {"role": "tool", "content": "ok", "tool_call_id": "c"}]
+    assert chat(tools=TOOLS, messages=turns).messages == template_messages(turns)
+    assert chat(tools=TOOLS, tool_choice="none").tools is None  # offered, but not to be called: not written
+    with pytest.raises(ApiError) as caught:  # a completion has no tools
+        completion_params({"prompt": "x", "tools": TOOLS}, "m", Limits())
+    assert caught.value.param == "tools"
+
+
+# ------------------------------------------------------------------------------- served
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory):
+    where = tool_model_dir(tmp_path_factory.mktemp("tool-model") / "tool-model")
+    process = ServeProcess("--model", str(where), "--threads", "1")
+    process.start(tmp_path_factory.mktemp("serve") / "stderr.log")
+    yield process, where
+    assert process.terminate() == 0, process.log()
+
+
+@pytest.fixture(scope="module")
+def bundled_server(tmp_path_factory):
+    yield from module_server(tmp_path_factory)
+
+
+def client(process: ServeProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{process.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def streamed(c, **body) -> tuple[str | None, list[tuple[str, dict]], str]:
+    """A streamed chat answer gathered as a client does: its content, its calls, its finish reason."""
+    content, calls, finish = None, {}, None
+    for chunk in c.chat.completions.create(stream=True, stream_options={"include_usage": True}, **body):
+        if not chunk.choices:  # the usage chunk
+            continue
+        delta = chunk.choices[0].delta
+        if delta.content:
+            content = (content or "") + delta.content
+        for call in delta.tool_calls or []:
+            assert call.id.startswith("call_") and call.type == "function"
+            calls[call.index] = (call.function.name, json.loads(call.function.arguments))
+        finish = chunk.choices[0].finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def test_a_model_calls_tools_through_the_official_client_whole_and_streamed(tool_server) -> None:
+    process, _ = tool_server
+    c = client(process)
+    for messages, tools, answer in CONVERSATIONS[:2]:
+        text = answer.split(OPEN)[0].strip() or None  # what the trained answer says outside its calls
+        cities = [part.split('"city": "')[1].split('"')[0] for part in answer.split(OPEN)[1:]]
+        expected = [("get_weather", {"city": city}) for city in cities]
+        whole = c.chat.completions.create(model="tool-model", messages=messages, tools=tools, temperature=0,
+                                          max_tokens=80)  # fmt: skip
+        choice = whole.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == text
+        assert [(t.function.name, json.loads(t.function.arguments)) for t in choice.message.tool_calls] == expected
+        assert len({t.id for t in choice.message.tool_calls}) == len(expected)
+        assert streamed(c, model="tool-model", messages=messages, tools=tools, temperature=0,
+                        max_tokens=80) == (text, expected, "tool_calls")  # fmt: skip
+
+
+def test_a_tool_result_is_answered_and_the_turns_are_rendered_as_the_template_does(tool_server) -> None:
+    from transformers import AutoTokenizer
+
+    process, where = tool_server
+    c = client(process)
+    tokenizer = AutoTokenizer.from_pretrained(where)
+    for messages, tools, answer in CONVERSATIONS[2:]:
+        extra = {} if tools is None else {"tools": tools}
+        whole = c.chat.completions.create(model="tool-model", messages=messages, temperature=0, max_tokens=40,
+                                          **extra)  # fmt: skip
+        assert whole.choices[0].message.content == answer and whole.choices[0].finish_reason == "stop"
+        assert whole.choices[0].message.tool_calls is None
+        prompt = tokenizer.apply_chat_template(template_messages(messages), tokenize=False, add_generation_prompt=True,
+                                               **extra)  # fmt: skip
+        assert whole.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
+    # "none": the tools are neither written into the prompt nor read out of the answer
+    messages, tools, _ = CONVERSATIONS[0]
+    plain = c.chat.completions.create(model="tool-model", messages=messages, tools=tools, tool_choice="none",
+                                      temperature=0, max_tokens=20)  # fmt: skip
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert plain.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
+    assert plain.choices[0].message.tool_calls is None
+    assert call_text("Paris") != plain.choices[0].message.content
+
+
+def test_a_model_without_a_tool_format_refuses_tools_and_tool_turns(bundled_server) -> None:
+    c = client(bundled_server)
+    for body in ({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS},
+                 {"messages": [{"role": "user", "content": "w?"}, called("Oslo"),
+                               {"role": "tool", "content": "rain", "tool_call_id": "call_1"}]}):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as caught:
+            c.chat.completions.create(model="kvcache-default", max_tokens=4, **body)
+        assert "tool_call" in caught.value.message
+    ok = c.chat.completions.create(model="kvcache-default", messages=[{"role": "user", "content": "hi"}],
+                                   max_tokens=4, tools=[])  # fmt: skip
+    assert ok.choices[0].message.tool_calls is None

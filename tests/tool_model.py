@@ -1,0 +1,137 @@
+"""A tiny transformers model that calls tools: a ChatML chat template that writes the request's
+tools and asks for Qwen's `<tool_call>` JSON, a byte-level BPE tokenizer with those tags, and a
+2-layer Llama trained here (a few seconds on a CPU) to answer four conversations as `CONVERSATIONS`
+says: a call after some text, two calls, a reply to a tool's result, a plain answer. A random
+model never writes a call; this one writes them as a tool-using model does, so a server's parsing
+is tested on what a model wrote, token by token."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+TEMPLATE = """{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+{% endif %}# Tools
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+Call a tool as <tool_call>
+{"name": <name>, "arguments": <arguments>}
+</tool_call><|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% elif m.role == 'assistant' %}<|im_start|>assistant
+{{ m.content }}{% for call in m.tool_calls or [] %}<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% elif m.role != 'system' %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
+TOOLS = [WEATHER]
+
+
+def call_text(city: str) -> str:
+    return '<tool_call>\n{"name": "get_weather", "arguments": {"city": "' + city + '"}}\n</tool_call>'
+
+
+def called(city: str, call_id: str = "call_1") -> dict[str, Any]:
+    """An assistant turn that called get_weather(city), as an OpenAI client sends it back."""
+    arguments = json.dumps({"city": city})
+    return {"role": "assistant", "content": None,
+            "tool_calls": [{"id": call_id, "type": "function", "function": {"name": "get_weather",
+                                                                             "arguments": arguments}}]}  # fmt: skip
+
+
+#: (messages, tools, the answer the model is trained to write)
+CONVERSATIONS: list[tuple[list[dict[str, Any]], list[dict[str, Any]] | None, str]] = [
+    ([{"role": "user", "content": "What is the weather in Paris?"}], TOOLS, "Let me check.\n" + call_text("Paris")),
+    ([{"role": "user", "content": "Weather in Rome and Oslo?"}], TOOLS, call_text("Rome") + "\n" + call_text("Oslo")),
+    ([{"role": "user", "content": "What is the weather in Paris?"}, called("Paris"),
+      {"role": "tool", "content": "sunny, 21 C", "tool_call_id": "call_1"}], TOOLS, "It is sunny in Paris."),
+    ([{"role": "user", "content": "Say hello."}], None, "Hello there!"),
+]  # fmt: skip
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` as a chat template takes them: a call's arguments as an object, not JSON text."""
+    out = []
+    for m in messages:
+        m = {**m, "content": m.get("content") or ""}
+        if "tool_calls" in m:
+            m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                               for c in m["tool_calls"]]  # fmt: skip
+        out.append(m)
+    return out
+
+
+def tool_model_dir(path: Path) -> Path:
+    """The model directory (see the module docstring), trained until greedy decoding writes every
+    answer of `CONVERSATIONS` exactly."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    import torch
+    from serve_kit import byte_level_bpe
+    from tokenizers import AddedToken
+
+    corpus = [TEMPLATE, json.dumps(TOOLS), *(answer for _, _, answer in CONVERSATIONS),
+              *(m.get("content") or "" for messages, _, _ in CONVERSATIONS for m in messages)]  # fmt: skip
+    bpe = byte_level_bpe(corpus, 400, ["<unk>", "<|im_start|>", "<|im_end|>"])
+    bpe.add_tokens([AddedToken(t, special=False) for t in ("<tool_call>", "</tool_call>", "<tool_response>",
+                                                            "</tool_response>")])  # fmt: skip
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>",
+                                                     unk_token="<unk>", pad_token="<unk>")  # fmt: skip
+    tokenizer.chat_template = TEMPLATE
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    sequences = []
+    for messages, tools, answer in CONVERSATIONS:
+        prompt = tokenizer.apply_chat_template(template_messages(messages), tools=tools, tokenize=False,
+                                               add_generation_prompt=True)  # fmt: skip
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        sequences.append((ids, [*tokenizer.encode(answer, add_special_tokens=False), eos]))
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      eos_token_id=eos, bos_token_id=eos, pad_token_id=0,
+                                      max_position_embeddings=1024)  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(600):
+        for prompt, answer in sequences:
+            ids = torch.tensor([prompt + answer])
+            labels = torch.tensor([[-100] * len(prompt) + answer])
+            loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step % 50 == 49 and all(_writes(model, prompt, answer) for prompt, answer in sequences):
+            break
+    else:
+        raise AssertionError("the tool model did not learn its answers")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _writes(model: Any, prompt: list[int], answer: list[int]) -> bool:
+    """Whether greedy decoding after `prompt` writes `answer` (it ends with the EOS)."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=len(answer) + 2, do_sample=False)
+    return out[0, len(prompt) :].tolist() == answer
