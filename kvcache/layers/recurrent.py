@@ -11,15 +11,11 @@ needs history, kept only while recording (docs/contract.md, "The recurrent step 
   `intermediate_states=[batch, k, ...]` also keeps the `k - 1` states inside it, so it can be
   rolled back to any of its tokens.
 
-Step rule. A step of a state index opens with `update_conv_state` (its token count is the conv
-input's time length) and closes with the following `update_recurrent_state`, if any. An
-`update_recurrent_state` without an open step is a step of its own, of
-`intermediate_states.shape[1]` tokens, else `num_tokens=`, else 1 token. The "before" snapshot is
-taken when the step opens, so a model that mutates the live state in place after
-`update_conv_state` (transformers' Mamba2 decode path while recording) is still rolled back
-exactly. A model that mutates the held state in place and then passes that same tensor to
-`update_recurrent_state` without a conv update has destroyed the state before the step: the layer
-marks that boundary as lost, `is_croppable` turns False and a crop onto it raises `RollbackError`.
+Step rule (docs/contract.md states it in full): a step opens with `update_conv_state` and closes
+with the next `update_recurrent_state`; an `update_recurrent_state` alone is a step of its own.
+The "before" snapshot is taken when the step opens, so a model that mutates the live state in
+place after `update_conv_state` is still rolled back exactly; a model that mutates the held state
+in place without a conv update destroys it, and a crop onto that boundary raises `RollbackError`.
 
 Conv semantics match transformers' `LinearAttentionLayer` (cache_utils.py): the first update
 returns its input, left-padded with zeros to the kernel size when shorter; later ones return the
@@ -42,16 +38,10 @@ import torch
 from typing_extensions import Self
 
 from ..errors import CacheInputError, RollbackError
-from ..validation import check_row_lengths
+from ..validation import check_positive_int, check_row_lengths
 from .base import CacheLayer, register_layer
 from .recurrent_rows import crop_rows
 from .recurrent_slots import CONV_BLOCK, LOST, Slot, Step, restore_slots, slot_meta, slot_tensors, step_tokens
-
-
-def _positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise CacheInputError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -78,7 +68,7 @@ class RecurrentLayer(CacheLayer):
 
     def __init__(self, num_states: int = 1) -> None:
         super().__init__()
-        self.num_states = _positive_int(num_states, "num_states")
+        self.num_states = check_positive_int(num_states, "num_states")
         self._slots = [Slot() for _ in range(self.num_states)]
         self._behind: list[int] | None = None  # after a per-row crop: tokens each row is behind the count
 
@@ -110,7 +100,7 @@ class RecurrentLayer(CacheLayer):
             raise CacheInputError(f"update_conv_state expects a [batch, channels, time>=1] tensor, got {got}")
         n = conv_states.shape[-1]
         if slot.conv is None:
-            kernel = n if conv_kernel_size is None else _positive_int(conv_kernel_size, "conv_kernel_size")
+            kernel = n if conv_kernel_size is None else check_positive_int(conv_kernel_size, "conv_kernel_size")
             self._check_batch(conv_states.shape[0], "update_conv_state")
         else:
             kernel = slot.kernel  # type: ignore[assignment]
@@ -379,15 +369,8 @@ class RecurrentLayer(CacheLayer):
 
     def nbytes(self) -> int:
         """Bytes of storage held (conv history capacity included)."""
-        seen: set[int] = set()
-        total = 0
-        for slot in self._slots:
-            for t in slot.tensors():
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in seen:
-                    seen.add(storage.data_ptr())
-                    total += storage.nbytes()
-        return total
+        held = [t.untyped_storage() for slot in self._slots for t in slot.tensors()]
+        return sum({storage.data_ptr(): storage.nbytes() for storage in held}.values())
 
     # --------------------------------------------------------------------------- persistence
     @property
