@@ -209,3 +209,21 @@ def test_a_model_without_a_tool_format_refuses_tools_and_tool_turns(bundled_serv
     ok = c.chat.completions.create(model="kvcache-default", messages=[{"role": "user", "content": "hi"}],
                                    max_tokens=4, tools=[])  # fmt: skip
     assert ok.choices[0].message.tool_calls is None
+
+
+def test_a_conversation_the_chat_template_refuses_is_a_400_not_a_500(tmp_path) -> None:
+    """A template's `raise_exception` (roles that do not alternate, a system message it has no place
+    for) is the client's to fix: `CacheInputError` naming why, which the server answers with a 400."""
+    from serve_kit import tiny_model_dir
+    from transformers import AutoTokenizer
+
+    from kvcache.errors import CacheInputError
+    from kvcache.models.text_model import TextModel
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir(tmp_path / "tiny"))
+    tokenizer.chat_template = ("{% if messages[0].role == 'system' %}{{ raise_exception('no system role') }}"
+                               "{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}")  # fmt: skip
+    served = TextModel(None, "tiny", [], tokenizer, "transformers")
+    assert served.chat_prompt([{"role": "user", "content": "hi"}]) == "hi"
+    with pytest.raises(CacheInputError, match="no system role"):
+        served.chat_prompt([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])

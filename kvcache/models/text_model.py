@@ -108,8 +108,13 @@ class TextModel:
             return "".join(lines) + "Assistant:"
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise CacheInputError(f"the tokenizer of {self.name} has no chat template: use /v1/completions")
+        from jinja2 import TemplateError  # (transformers' templates run on jinja2)
+
         extra = {} if tools is None else {"tools": tools}
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+        except TemplateError as exc:  # the template refused the conversation (`raise_exception`): the client's to fix
+            raise CacheInputError(f"the chat template of {self.name} refused the conversation: {exc}") from None
 
 
 #: What `kvcache.serve` called it.
