@@ -1,7 +1,8 @@
 """Tool calls in `kvcache serve`'s chat completions: the reader that takes calls out of an answer's
-text (any split of a text read as the whole), the checks of `tools` and of a conversation's tool
-turns, and a served model that calls tools (`tool_model`: trained here to write calls as Qwen's
-template asks) through the official `openai` client, whole and streamed: the calls it wrote, its
+text (any split of a text read as the whole; calls written as markup read back as the template
+wrote them), the checks of `tools` and of a conversation's tool turns, and a served model that
+calls tools (`tool_model`: trained here to write calls as Qwen 3's or Qwen 3.5's template asks)
+through the official `openai` client, whole and streamed: the calls it wrote, its
 text around them, and its reply to a tool's result, each what it was trained to write (which it
 writes only if the server rendered the tools and the tool turns as its template does)."""
 
@@ -19,7 +20,16 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
 from serve_kit import ServeProcess, module_server  # noqa: E402
-from tool_model import CONVERSATIONS, TOOLS, WEATHER, call_text, called, template_messages, tool_model_dir  # noqa: E402
+from tool_model import (  # noqa: E402
+    MARKUP_TEMPLATE,
+    TOOLS,
+    WEATHER,
+    call_text,
+    called,
+    conversations,
+    template_messages,
+    tool_model_dir,
+)
 
 from kvcache.serve.schema import ApiError, Limits, chat_params, completion_params  # noqa: E402
 from kvcache.serve.tools import CLOSE, OPEN, ToolCall, ToolCallReader  # noqa: E402
@@ -83,6 +93,67 @@ def test_a_call_that_is_not_json_or_never_closes_stays_text() -> None:
     assert read([OPEN + '{"name": "f", "parameters": {"a": 1}}' + CLOSE]) == ("", [("f", {"a": 1})])
 
 
+# A tool whose parameters take every JSON Schema type (an Optional[str] too)
+TYPED = {"type": "function", "function": {"name": "edit", "parameters": {"type": "object", "properties": {
+    "path": {"type": "string"}, "line": {"type": "integer"}, "scale": {"type": "number"},
+    "dry_run": {"type": "boolean"}, "note": {"type": ["string", "null"]}, "options": {"type": "object"},
+    "lines": {"type": "array"}, "nothing": {"type": "null"}}}}}  # fmt: skip
+plain_text = st.text(st.sampled_from("ab <>=/_\n\"{}[]:"), max_size=12).filter(lambda t: "</parameter>" not in t)
+values = {"path": plain_text, "line": st.integers(-(2**70), 2**70),
+          "scale": st.floats(allow_nan=False, allow_infinity=False, width=64), "dry_run": st.booleans(),
+          "note": st.one_of(st.none(), plain_text.filter(lambda t: t.strip() != "null")),
+          "options": st.dictionaries(st.text(max_size=3), st.one_of(st.integers(), st.text(max_size=3)), max_size=2),
+          "lines": st.lists(st.one_of(st.integers(), st.booleans(), st.text(max_size=3)), max_size=3),
+          "nothing": st.none()}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def markup_tokenizer(tmp_path_factory):
+    """A tokenizer whose chat template writes calls as Qwen 3.5's markup (`tool_model`'s)."""
+    transformers = pytest.importorskip("transformers")
+    from serve_kit import byte_level_bpe
+
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=byte_level_bpe(["ab"], 270, ["<unk>"]),
+                                                     unk_token="<unk>")  # fmt: skip
+    tokenizer.chat_template = MARKUP_TEMPLATE
+    return tokenizer
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.fixed_dictionaries({}, optional=values))
+def test_a_call_written_as_markup_is_read_back_as_the_template_wrote_it(markup_tokenizer, arguments) -> None:
+    """Arguments of every type through the template itself (a string as it is, the rest as JSON, a
+    newline around each value) and back through the reader: the same arguments, typed by the tool's
+    schema."""
+    turn = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "edit", "arguments": arguments}}]}  # fmt: skip
+    text = markup_tokenizer.apply_chat_template([turn], tokenize=False)
+    reader = ToolCallReader([TYPED])
+    calls = [p for p in [*reader.feed(text), *reader.finish()] if isinstance(p, ToolCall)]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("edit", arguments)]
+
+
+def test_markup_values_are_typed_by_the_schema_and_other_markup_stays_text() -> None:
+    def one(body: str, tools=(TYPED,)) -> tuple[str, list[tuple[str, dict]]]:
+        reader = ToolCallReader(list(tools))
+        parts = [*reader.feed(OPEN + body + CLOSE), *reader.finish()]
+        return "".join(p for p in parts if isinstance(p, str)), [
+            (p.name, json.loads(p.arguments)) for p in parts if isinstance(p, ToolCall)]  # fmt: skip
+
+    param = "<parameter={}>\n{}\n</parameter>\n".format
+    body = "\n<function=edit>\n{}</function>\n".format
+    # Jinja's string of a boolean, a whole number as a float, a value that is not its type: kept as text
+    assert one(body(param("dry_run", "True") + param("line", "3.0") + param("scale", "7") + param("lines", "{}")))[1] \
+        == [("edit", {"dry_run": True, "line": 3, "scale": 7, "lines": "{}"})]  # fmt: skip
+    assert one(body(param("note", "null") + param("path", "null") + param("extra", "12")))[1] == [
+        ("edit", {"note": None, "path": "null", "extra": "12"})]  # fmt: skip
+    assert one(body(param("line", "4")), tools=())[1] == [("edit", {"line": "4"})]  # a tool not offered: text
+    for broken in ("<function=edit>\ntext<parameter=line>\n4\n</parameter>\n</function>",  # text between
+                   "<function=edit>\n<parameter=line>\n4\n</function>",  # a parameter never closed
+                   "<function=edit>\n</function>\ntrailing"):  # text after the function
+        assert one(broken) == (OPEN + broken + CLOSE, [])
+
+
 # ------------------------------------------------------------------------------- the checks
 def chat(**body) -> object:
     return chat_params({"messages": [{"role": "user", "content": "hi"}], **body}, "m", Limits())
@@ -122,12 +193,14 @@ def test_tools_and_tool_turns_are_shaped_as_chat_templates_take_them() -> None:
 
 
 # ------------------------------------------------------------------------------- served
-@pytest.fixture(scope="module")
-def tool_server(tmp_path_factory):
-    where = tool_model_dir(tmp_path_factory.mktemp("tool-model") / "tool-model")
+@pytest.fixture(scope="module", params=[False, True], ids=["json", "markup"])
+def tool_server(request, tmp_path_factory):
+    """A server of the tool model trained to write JSON calls, or markup calls; and its directory
+    and conversations."""
+    where = tool_model_dir(tmp_path_factory.mktemp("tool-model") / "tool-model", markup=request.param)
     process = ServeProcess("--model", str(where), "--threads", "1")
     process.start(tmp_path_factory.mktemp("serve") / "stderr.log")
-    yield process, where
+    yield process, where, conversations(request.param)
     assert process.terminate() == 0, process.log()
 
 
@@ -157,11 +230,10 @@ def streamed(c, **body) -> tuple[str | None, list[tuple[str, dict]], str]:
 
 
 def test_a_model_calls_tools_through_the_official_client_whole_and_streamed(tool_server) -> None:
-    process, _ = tool_server
+    process, _, taught = tool_server
     c = client(process)
-    for messages, tools, answer in CONVERSATIONS[:2]:
+    for messages, tools, answer, cities in taught[:2]:
         text = answer.split(OPEN)[0].strip() or None  # what the trained answer says outside its calls
-        cities = [part.split('"city": "')[1].split('"')[0] for part in answer.split(OPEN)[1:]]
         expected = [("get_weather", {"city": city}) for city in cities]
         whole = c.chat.completions.create(model="tool-model", messages=messages, tools=tools, temperature=0,
                                           max_tokens=80)  # fmt: skip
@@ -176,10 +248,10 @@ def test_a_model_calls_tools_through_the_official_client_whole_and_streamed(tool
 def test_a_tool_result_is_answered_and_the_turns_are_rendered_as_the_template_does(tool_server) -> None:
     from transformers import AutoTokenizer
 
-    process, where = tool_server
+    process, where, taught = tool_server
     c = client(process)
     tokenizer = AutoTokenizer.from_pretrained(where)
-    for messages, tools, answer in CONVERSATIONS[2:]:
+    for messages, tools, answer, _ in taught[2:]:
         extra = {} if tools is None else {"tools": tools}
         whole = c.chat.completions.create(model="tool-model", messages=messages, temperature=0, max_tokens=40,
                                           **extra)  # fmt: skip
@@ -189,13 +261,13 @@ def test_a_tool_result_is_answered_and_the_turns_are_rendered_as_the_template_do
                                                **extra)  # fmt: skip
         assert whole.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
     # "none": the tools are neither written into the prompt nor read out of the answer
-    messages, tools, _ = CONVERSATIONS[0]
+    messages, tools, _, _ = taught[0]
     plain = c.chat.completions.create(model="tool-model", messages=messages, tools=tools, tool_choice="none",
                                       temperature=0, max_tokens=20)  # fmt: skip
     prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert plain.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
     assert plain.choices[0].message.tool_calls is None
-    assert call_text("Paris") != plain.choices[0].message.content
+    assert call_text("Paris", markup=OPEN + "\n<function=" in taught[0][2]) != plain.choices[0].message.content
 
 
 def test_a_model_without_a_tool_format_refuses_tools_and_tool_turns(bundled_server) -> None:

@@ -1,9 +1,10 @@
 """A tiny transformers model that calls tools: a ChatML chat template that writes the request's
-tools and asks for Qwen's `<tool_call>` JSON, a byte-level BPE tokenizer with those tags, and a
-2-layer Llama trained here (a few seconds on a CPU) to answer four conversations as `CONVERSATIONS`
-says: a call after some text, two calls, a reply to a tool's result, a plain answer. A random
-model never writes a call; this one writes them as a tool-using model does, so a server's parsing
-is tested on what a model wrote, token by token."""
+tools and asks for calls between `<tool_call>` tags, as Qwen 3's JSON (`JSON_TEMPLATE`) or as Qwen
+3.5's `<function=...>` markup (`MARKUP_TEMPLATE`), a byte-level BPE tokenizer with those tags, and
+a 2-layer Llama trained here (a few seconds on a CPU) to answer four conversations as
+`conversations` says: a call after some text, two calls, a reply to a tool's result, a plain
+answer. A random model never writes a call; this one writes them as a tool-using model does, so a
+server's parsing is tested on what a model wrote, token by token."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ Call a tool as <tool_call>
 </tool_response><|im_end|>
 {% elif m.role == 'assistant' %}<|im_start|>assistant
 {{ m.content }}{% for call in m.tool_calls or [] %}<tool_call>
-{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+@CALL@
 </tool_call>{% endfor %}<|im_end|>
 {% elif m.role != 'system' %}<|im_start|>{{ m.role }}
 {{ m.content }}<|im_end|>
@@ -38,6 +39,19 @@ Call a tool as <tool_call>
 {%- endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
+#: Qwen 3's way: a JSON object per call
+JSON_TEMPLATE = TEMPLATE.replace("@CALL@", '{"name": "{{ call.function.name }}", "arguments": '
+                                 '{{ call.function.arguments | tojson }}}')  # fmt: skip
+#: Qwen 3.5's way: markup, one parameter per argument, a string as it is and anything else as JSON
+MARKUP_TEMPLATE = TEMPLATE.replace("""{"name": <name>, "arguments": <arguments>}""", """<function=<name>>
+<parameter=<key>>
+<value>
+</parameter>
+</function>""").replace("@CALL@", """<function={{ call.function.name }}>
+{% for key, value in call.function.arguments.items() %}<parameter={{ key }}>
+{{ value if value is string else value | tojson }}
+</parameter>
+{% endfor %}</function>""")
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city now.",
@@ -45,7 +59,10 @@ WEATHER = {"type": "function", "function": {
 TOOLS = [WEATHER]
 
 
-def call_text(city: str) -> str:
+def call_text(city: str, markup: bool = False) -> str:
+    """get_weather(city) as the model writes it."""
+    if markup:
+        return f"<tool_call>\n<function=get_weather>\n<parameter=city>\n{city}\n</parameter>\n</function>\n</tool_call>"
     return '<tool_call>\n{"name": "get_weather", "arguments": {"city": "' + city + '"}}\n</tool_call>'
 
 
@@ -57,14 +74,25 @@ def called(city: str, call_id: str = "call_1") -> dict[str, Any]:
                                                                              "arguments": arguments}}]}  # fmt: skip
 
 
-#: (messages, tools, the answer the model is trained to write)
-CONVERSATIONS: list[tuple[list[dict[str, Any]], list[dict[str, Any]] | None, str]] = [
-    ([{"role": "user", "content": "What is the weather in Paris?"}], TOOLS, "Let me check.\n" + call_text("Paris")),
-    ([{"role": "user", "content": "Weather in Rome and Oslo?"}], TOOLS, call_text("Rome") + "\n" + call_text("Oslo")),
-    ([{"role": "user", "content": "What is the weather in Paris?"}, called("Paris"),
-      {"role": "tool", "content": "sunny, 21 C", "tool_call_id": "call_1"}], TOOLS, "It is sunny in Paris."),
-    ([{"role": "user", "content": "Say hello."}], None, "Hello there!"),
-]  # fmt: skip
+#: One conversation: its messages, its tools, the answer the model is trained to write, and the
+#: cities that answer asks the weather of (its calls)
+Conversation = tuple[list[dict[str, Any]], list[dict[str, Any]] | None, str, list[str]]
+
+
+def conversations(markup: bool = False) -> list[Conversation]:
+    """What the model is trained to answer, its calls written as JSON or as `markup`."""
+    return [
+        ([{"role": "user", "content": "What is the weather in Paris?"}], TOOLS,
+         "Let me check.\n" + call_text("Paris", markup), ["Paris"]),
+        ([{"role": "user", "content": "Weather in Rome and Oslo?"}], TOOLS,
+         call_text("Rome", markup) + "\n" + call_text("Oslo", markup), ["Rome", "Oslo"]),
+        ([{"role": "user", "content": "What is the weather in Paris?"}, called("Paris"),
+          {"role": "tool", "content": "sunny, 21 C", "tool_call_id": "call_1"}], TOOLS, "It is sunny in Paris.", []),
+        ([{"role": "user", "content": "Say hello."}], None, "Hello there!", []),
+    ]  # fmt: skip
+
+
+CONVERSATIONS = conversations()
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -79,9 +107,9 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def tool_model_dir(path: Path) -> Path:
+def tool_model_dir(path: Path, markup: bool = False) -> Path:
     """The model directory (see the module docstring), trained until greedy decoding writes every
-    answer of `CONVERSATIONS` exactly."""
+    answer of `conversations(markup)` exactly."""
     import pytest
 
     transformers = pytest.importorskip("transformers")
@@ -89,17 +117,19 @@ def tool_model_dir(path: Path) -> Path:
     from serve_kit import byte_level_bpe
     from tokenizers import AddedToken
 
-    corpus = [TEMPLATE, json.dumps(TOOLS), *(answer for _, _, answer in CONVERSATIONS),
-              *(m.get("content") or "" for messages, _, _ in CONVERSATIONS for m in messages)]  # fmt: skip
+    template, taught = MARKUP_TEMPLATE if markup else JSON_TEMPLATE, conversations(markup)
+    corpus = [template, json.dumps(TOOLS), *(answer for _, _, answer, _ in taught),
+              *(m.get("content") or "" for messages, _, _, _ in taught for m in messages)]  # fmt: skip
     bpe = byte_level_bpe(corpus, 400, ["<unk>", "<|im_start|>", "<|im_end|>"])
-    bpe.add_tokens([AddedToken(t, special=False) for t in ("<tool_call>", "</tool_call>", "<tool_response>",
-                                                            "</tool_response>")])  # fmt: skip
+    tags = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<function=", "</function>",
+            "<parameter=", "</parameter>")  # fmt: skip
+    bpe.add_tokens([AddedToken(t, special=False) for t in tags])
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>",
                                                      unk_token="<unk>", pad_token="<unk>")  # fmt: skip
-    tokenizer.chat_template = TEMPLATE
+    tokenizer.chat_template = template
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     sequences = []
-    for messages, tools, answer in CONVERSATIONS:
+    for messages, tools, answer, _ in taught:
         prompt = tokenizer.apply_chat_template(template_messages(messages), tools=tools, tokenize=False,
                                                add_generation_prompt=True)  # fmt: skip
         ids = tokenizer.encode(prompt, add_special_tokens=False)

@@ -97,7 +97,7 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
                                   prompt_logprobs=params.logprobs if params.echo else None)  # fmt: skip
                 echo = (original if isinstance(original, str) else served.decode(prompt)) if params.echo else None
                 choices.append(Completion(served, engine, request, params.stop, chat=chat, index=i * params.n + j,
-                                          counts_prompt=j == 0, echo=echo, tools=params.tools is not None))  # fmt: skip
+                                          counts_prompt=j == 0, echo=echo, tools=params.tools))  # fmt: skip
                 metrics.prompt_tokens.inc(len(prompt))
                 engine.submit(request)
         return choices

@@ -33,7 +33,7 @@ class Completion:
 
     def __init__(self, served: ServedModel, engine: Any, request: Request, stops: list[str], *,
                  chat: bool = False, index: int = 0, counts_prompt: bool = True,
-                 echo: str | None = None, tools: bool = False) -> None:  # fmt: skip
+                 echo: str | None = None, tools: list[dict[str, Any]] | None = None) -> None:  # fmt: skip
         self.served, self.engine, self.request, self.stops, self.chat = served, engine, request, stops, chat
         self.index, self.counts_prompt, self.echo = index, counts_prompt, echo
         self.prompt_logprobs: list[TokenLogprobs] | None = None  # the engine's "prompt" event, when asked
@@ -45,7 +45,7 @@ class Completion:
         self.logprobs: list[TokenLogprobs] = []  # the tokens' log probabilities, when the request asked
         self._offset = (0, len(echo or ""))  # (tokens shaped so far, where their text ends), for text_offset
         self.detokenizer = Detokenizer(served.decode, served.token_bytes)
-        self.calls = ToolCallReader() if tools else None  # a chat offered tools: its text may hold calls
+        self.calls = None if tools is None else ToolCallReader(tools)  # a chat offered tools: its text may hold calls
 
     def _take(self, value: int | TokenLogprobs) -> int:
         """A token event's token (and its log probabilities, kept)."""

@@ -2,24 +2,24 @@
 conversation, checked and shaped for the model's chat template; and the calls the model writes,
 read out of its text, whole or while it streams.
 
-The calls are read in the format of Qwen's and Hermes' chat templates, the one most open models
-with tool use are trained on: each call a JSON object `{"name": ..., "arguments": {...}}` between
-`<tool_call>` and `</tool_call>`. A model is served with tools when its chat template writes the
-tools and asks for that format; other models refuse `tools` with a 400 rather than answer with
-calls no one reads. Text between calls is the message's content (whitespace next to a call is the
+The calls are read in the formats of Qwen's and Hermes' chat templates, the ones most open
+models with tool use are trained on: each call between `<tool_call>` and `</tool_call>`, as a JSON
+object `{"name": ..., "arguments": {...}}` (Qwen 3, Hermes) or as `<function=...>` markup with
+one `<parameter=...>` per argument (Qwen 3.5, Qwen3-Coder; its values typed by the offered tool's
+schema: `call_formats`). A model is served with tools when its chat template writes the tools
+and asks for calls between those tags; other models refuse `tools` with a 400 rather than answer
+with calls no one reads. Text between calls is the message's content (whitespace next to a call is the
 template's layout, not content); a region that does not hold such an object, or that the answer
 ended inside, stays content, as the model wrote it.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import uuid
-from dataclasses import dataclass
 from typing import Any
 
 from .api_error import ApiError
+from .call_formats import ToolCall, arguments_object, parameter_types, read_call
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 #: The most tools one request may offer (OpenAI's limit).
@@ -30,13 +30,13 @@ NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 def tools_refused(served: Any) -> str | None:
     """Why `served` (a `TextModel`) cannot be served with tools, None when it can: its chat template
-    must write the request's tools and ask for `<tool_call>` JSON, and its tokenizer must decode that
-    tag as text."""
+    must write the request's tools and ask for calls between `<tool_call>` tags, and its tokenizer
+    must decode that tag as text."""
     tokenizer = served.tokenizer
     template = None if served.kind == "bundled" else getattr(tokenizer, "chat_template", None)
     if not isinstance(template, str) or "tools" not in template or OPEN not in template:
-        return ("the served model's chat template does not write tools in the format this server reads "
-                f"({OPEN} JSON {CLOSE}, as Qwen's and Hermes' templates ask for)")  # fmt: skip
+        return ("the served model's chat template does not write tools in a format this server reads "
+                f"({OPEN} JSON or <function=...> markup {CLOSE}, as Qwen's and Hermes' templates ask for)")  # fmt: skip
     if OPEN in getattr(tokenizer, "all_special_tokens", ()):
         return f"the served model's tokenizer drops {OPEN} from decoded text (a special token)"
     return None
@@ -95,48 +95,13 @@ def assistant_calls(i: int, calls: Any) -> list[dict[str, Any]]:
         if not isinstance(function, dict) or call.get("type", "function") != "function" or not isinstance(name, str):
             raise ApiError(400, f'{where}[{j}] must be {{"type": "function", "function": {{"name", "arguments"}}}}',
                            param=f"{where}[{j}]")  # fmt: skip
-        arguments = _arguments(function.get("arguments", "{}"))
+        arguments = arguments_object(function.get("arguments", "{}"))
         if arguments is None:
             raise ApiError(400, f"{where}[{j}].function.arguments must be a JSON object (as text)",
                            param=f"{where}[{j}].function.arguments")  # fmt: skip
         shaped.append({"id": str(call.get("id", "")), "type": "function",
                        "function": {"name": name, "arguments": arguments}})  # fmt: skip
     return shaped
-
-
-def _arguments(value: Any) -> dict[str, Any] | None:
-    """A call's arguments as an object: given as one, or as JSON text of one; None otherwise."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            return None
-    return value if isinstance(value, dict) else None
-
-
-@dataclass
-class ToolCall:
-    """One call the model wrote: a function's name and its arguments (JSON text of an object)."""
-
-    name: str
-    arguments: str
-
-    def shaped(self, index: int | None = None) -> dict[str, Any]:
-        """The call as OpenAI writes it (with its `index` in a stream's delta)."""
-        out = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-               "function": {"name": self.name, "arguments": self.arguments}}  # fmt: skip
-        return out if index is None else {"index": index, **out}
-
-
-def _call(body: str) -> ToolCall | None:
-    try:
-        value = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    arguments = _arguments(value.get("arguments", value.get("parameters", {})))
-    return None if arguments is None else ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
 def _opening(text: str) -> int:
@@ -150,9 +115,11 @@ def _opening(text: str) -> int:
 class ToolCallReader:
     """A chat answer's text, fed piece by piece, as content pieces and `ToolCall`s in order: what
     it gives for any split of the text is what it gives for the whole (held back: text that may yet
-    open a call, and a call until it closes)."""
+    open a call, and a call until it closes). `tools`: the offered tools (`check_tools`'), whose
+    schemas type the values of calls written as markup."""
 
-    def __init__(self) -> None:
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        self._types = parameter_types(tools)
         self._held = ""
         self._inside = False  # between OPEN and its CLOSE
         self._after_call = False  # the whitespace that follows a call is layout
@@ -167,7 +134,7 @@ class ToolCallReader:
                 if at < 0:
                     return out
                 body, self._held, self._inside = self._held[:at], self._held[at + len(CLOSE) :], False
-                call = _call(body)
+                call = read_call(body, self._types)
                 if call is None:
                     self._content(out, OPEN + body + CLOSE)
                 else:
