@@ -12,7 +12,7 @@ import itertools
 import json
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 openai = pytest.importorskip("openai")
@@ -31,6 +31,7 @@ from tool_model import (  # noqa: E402
     tool_model_dir,
 )
 
+from kvcache.serve.reasoning import THINK, UNTHINK, Reasoning, ReasoningReader, opened_in  # noqa: E402
 from kvcache.serve.schema import ApiError, Limits, chat_params, completion_params  # noqa: E402
 from kvcache.serve.tools import CLOSE, OPEN, ToolCall, ToolCallReader  # noqa: E402
 
@@ -154,6 +155,57 @@ def test_markup_values_are_typed_by_the_schema_and_other_markup_stays_text() -> 
         assert one(broken) == (OPEN + broken + CLOSE, [])
 
 
+# ------------------------------------------------------------------------------- reasoning
+def reasoned(pieces: list[str], thinking: bool = False) -> tuple[str, str]:
+    """The reasoning and the content a reader gives for `pieces` fed in turn."""
+    reader = ReasoningReader(thinking)
+    parts = [part for piece in pieces for part in reader.feed(piece)] + reader.finish()
+    return "".join(p for p in parts if isinstance(p, Reasoning)), "".join(p for p in parts if type(p) is str)
+
+
+spaces = st.sampled_from(["", " ", "\n", "\n\n", " \n "])
+said = st.text(st.sampled_from("ab <>/\nthink"), max_size=14)
+
+
+@st.composite
+def thoughts(draw) -> tuple[str, bool, str, str]:
+    """An answer, whether its prompt opened `<think>`, and its reasoning and content as the module
+    docstring of `kvcache.serve.reasoning` defines them."""
+    opened, closes = draw(st.booleans()), draw(st.booleans())
+    thought = draw(said.filter(lambda t: UNTHINK not in t))
+    content = draw(said)
+    if opened:  # the answer starts thinking; it may end before it closes
+        if not closes:
+            return draw(spaces) + thought, True, thought.strip(), ""
+        return draw(spaces) + thought + draw(spaces) + UNTHINK + draw(spaces) + content, True, thought.strip(), \
+            content.lstrip()  # fmt: skip
+    if draw(st.booleans()):  # it opens a reasoning block itself
+        head = draw(spaces) + THINK + draw(spaces) + thought
+        if not closes:
+            return head, False, thought.strip(), ""
+        return head + draw(spaces) + UNTHINK + draw(spaces) + content, False, thought.strip(), content.lstrip()
+    text = draw(spaces) + content  # no block: all content, tags and all
+    assume(not text.lstrip().startswith(THINK))
+    return text, False, "", text
+
+
+@settings(max_examples=200, deadline=None)
+@given(thoughts(), st.lists(st.integers(0, 60), max_size=6))
+def test_the_reasoning_reader_gives_each_answers_reasoning_and_content_for_any_split(answer, cuts) -> None:
+    text, thinking, thought, content = answer
+    bounds = sorted({min(c, len(text)) for c in cuts})
+    pieces = [text[a:b] for a, b in zip([0, *bounds], [*bounds, len(text)], strict=True)]
+    assert reasoned([text], thinking) == (thought, content)
+    assert reasoned(pieces, thinking) == (thought, content)
+    assert reasoned(list(text), thinking) == (thought, content)
+
+
+def test_a_prompt_that_leaves_think_open_starts_the_answer_thinking() -> None:
+    assert opened_in("<|im_start|>assistant\n<think>\n")
+    assert not opened_in("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # thinking switched off
+    assert not opened_in("<|im_start|>assistant\n")
+
+
 # ------------------------------------------------------------------------------- the checks
 def chat(**body) -> object:
     return chat_params({"messages": [{"role": "user", "content": "hi"}], **body}, "m", Limits())
@@ -177,6 +229,20 @@ def chat(**body) -> object:
     ({"messages": [{"role": "assistant", "tool_calls": []}]}, "messages[0].tool_calls"),
 ])  # fmt: skip
 def test_bad_tools_and_tool_turns_are_400s_naming_the_field(body, param) -> None:
+    with pytest.raises(ApiError) as caught:
+        chat(**body)
+    assert caught.value.status == 400 and caught.value.param == param, caught.value.message
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"chat_template_kwargs": [1]}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"not a name": 1}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+    ({"messages": [{"role": "user", "content": "x", "reasoning_content": "y"}]}, "messages[0].reasoning_content"),
+    ({"messages": [{"role": "assistant", "content": "x", "reasoning_content": 3}]}, "messages[0].reasoning_content"),
+])  # fmt: skip
+def test_bad_template_variables_and_reasoning_turns_are_400s_naming_the_field(body, param) -> None:
     with pytest.raises(ApiError) as caught:
         chat(**body)
     assert caught.value.status == 400 and caught.value.param == param, caught.value.message
@@ -251,7 +317,7 @@ def test_a_tool_result_is_answered_and_the_turns_are_rendered_as_the_template_do
     process, where, taught = tool_server
     c = client(process)
     tokenizer = AutoTokenizer.from_pretrained(where)
-    for messages, tools, answer, _ in taught[2:]:
+    for messages, tools, answer, _ in taught[2:4]:
         extra = {} if tools is None else {"tools": tools}
         whole = c.chat.completions.create(model="tool-model", messages=messages, temperature=0, max_tokens=40,
                                           **extra)  # fmt: skip
@@ -299,3 +365,43 @@ def test_a_conversation_the_chat_template_refuses_is_a_400_not_a_500(tmp_path) -
     assert served.chat_prompt([{"role": "user", "content": "hi"}]) == "hi"
     with pytest.raises(CacheInputError, match="no system role"):
         served.chat_prompt([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+
+
+def test_a_thinking_model_answers_with_its_reasoning_apart_whole_and_streamed(tool_server) -> None:
+    """The markup model thinks as Qwen 3.5 does: its reasoning comes back as `reasoning_content`
+    and the rest as `content`, whether the prompt opened `<think>` or the model did; an earlier
+    turn's reasoning sent back reaches the template (the prompt's tokens are its rendering's), and
+    `chat_template_kwargs` are the template's variables."""
+    from transformers import AutoTokenizer
+
+    process, where, taught = tool_server
+    if len(taught) == 4:
+        pytest.skip("the JSON model's template does not think")
+    c = client(process)
+    for messages, _, answer, _ in taught[4:]:
+        thought, content = answer.split(UNTHINK)
+        expected = (thought.removeprefix(THINK).strip(), content.strip())
+        whole = c.chat.completions.create(model="tool-model", messages=messages, temperature=0, max_tokens=40)
+        message = whole.choices[0].message
+        assert (message.reasoning_content, message.content) == expected and whole.choices[0].finish_reason == "stop"
+        thinking, said = "", ""
+        for chunk in c.chat.completions.create(model="tool-model", messages=messages, temperature=0, max_tokens=40,
+                                               stream=True):  # fmt: skip
+            delta = chunk.choices[0].delta
+            thinking += getattr(delta, "reasoning_content", None) or ""
+            said += delta.content or ""
+        assert (thinking, said) == expected
+    tokenizer = AutoTokenizer.from_pretrained(where)
+    turns = [{"role": "user", "content": "Why is the sky blue?"},
+             {"role": "assistant", "content": "Blue light scatters most.", "reasoning_content": "Light scatters."},
+             {"role": "user", "content": "Say hello."}]  # fmt: skip
+    rendered = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    assert "<think>\nLight scatters.\n</think>" in rendered
+    answer = c.chat.completions.create(model="tool-model", messages=turns, temperature=0, max_tokens=4)
+    assert answer.usage.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
+    # a template variable (Qwen's switch): the template closes an empty block, the answer is all content
+    quiet = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert quiet.endswith("<think>\n\n</think>\n\n")
+    off = c.chat.completions.create(model="tool-model", messages=turns, temperature=0, max_tokens=4,
+                                    extra_body={"chat_template_kwargs": {"enable_thinking": False}})  # fmt: skip
+    assert off.usage.prompt_tokens == len(tokenizer.encode(quiet, add_special_tokens=False))

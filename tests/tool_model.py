@@ -3,8 +3,10 @@ tools and asks for calls between `<tool_call>` tags, as Qwen 3's JSON (`JSON_TEM
 3.5's `<function=...>` markup (`MARKUP_TEMPLATE`), a byte-level BPE tokenizer with those tags, and
 a 2-layer Llama trained here (a few seconds on a CPU) to answer four conversations as
 `conversations` says: a call after some text, two calls, a reply to a tool's result, a plain
-answer. A random model never writes a call; this one writes them as a tool-using model does, so a
-server's parsing is tested on what a model wrote, token by token."""
+answer; and with the markup, which thinks as Qwen 3.5 does (`enable_thinking=False` closes an
+empty block), two answers that reason first (one where the prompt opened `<think>`, one where the
+model does). A random model never writes a call; this one writes them as a tool-using model
+does, so a server's parsing is tested on what a model wrote, token by token."""
 
 from __future__ import annotations
 
@@ -51,7 +53,20 @@ MARKUP_TEMPLATE = TEMPLATE.replace("""{"name": <name>, "arguments": <arguments>}
 {% for key, value in call.function.arguments.items() %}<parameter={{ key }}>
 {{ value if value is string else value | tojson }}
 </parameter>
-{% endfor %}</function>""")
+{% endfor %}</function>""").replace("""{% elif m.role == 'assistant' %}<|im_start|>assistant
+{{ m.content }}""", """{% elif m.role == 'assistant' %}<|im_start|>assistant
+{% if m.reasoning_content %}<think>
+{{ m.reasoning_content }}
+</think>
+
+{% endif %}{{ m.content }}""").replace("""{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}""", """{%- if add_generation_prompt %}<|im_start|>assistant
+{% if messages[-1].content.startswith('Think') %}<think>
+{% elif enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% endif %}{% endif %}""")
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city now.",
@@ -89,7 +104,11 @@ def conversations(markup: bool = False) -> list[Conversation]:
         ([{"role": "user", "content": "What is the weather in Paris?"}, called("Paris"),
           {"role": "tool", "content": "sunny, 21 C", "tool_call_id": "call_1"}], TOOLS, "It is sunny in Paris.", []),
         ([{"role": "user", "content": "Say hello."}], None, "Hello there!", []),
-    ]  # fmt: skip
+    ] + ([  # the markup template thinks: the prompt opens <think> for a message that starts "Think"
+        ([{"role": "user", "content": "Think, then greet me."}], None, "A greeting is wanted.\n</think>\n\nHi!", []),
+        ([{"role": "user", "content": "Why is the sky blue?"}], None,
+         "<think>\nLight scatters.\n</think>\n\nBlue light scatters most.", []),
+    ] if markup else [])  # fmt: skip
 
 
 CONVERSATIONS = conversations()

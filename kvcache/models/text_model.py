@@ -96,11 +96,15 @@ class TextModel:
         root = fingerprint(self.model, [], namespace="saved-cache", chunk_size=0, key=None)
         return f"transformers-{root.hex()[:32]}"
 
-    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    options: dict[str, Any] | None = None) -> str:  # fmt: skip
         """The prompt text of a conversation (see the module docstring for the bundled template; a
         transformers tokenizer's own chat template otherwise, given the function `tools` the model
-        may call)."""
+        may call and the template's own variables `options`, e.g. Qwen 3's `enable_thinking`)."""
         if self.kind == "bundled":
+            if options:
+                raise CacheInputError(f"{self.name}'s prompt format has no variables: chat_template_kwargs must be "
+                                      "empty")  # fmt: skip
             lines = []
             for message in messages:
                 role, content = message["role"], message["content"]
@@ -110,7 +114,7 @@ class TextModel:
             raise CacheInputError(f"the tokenizer of {self.name} has no chat template: use /v1/completions")
         from jinja2 import TemplateError  # (transformers' templates run on jinja2)
 
-        extra = {} if tools is None else {"tools": tools}
+        extra = {**(options or {}), **({} if tools is None else {"tools": tools})}
         try:
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
         except TemplateError as exc:  # the template refused the conversation (`raise_exception`): the client's to fix

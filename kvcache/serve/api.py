@@ -30,6 +30,7 @@ from ..errors import KVCacheError
 from ..generation.sampling import Sampling
 from .completion import Completion, stream, usage, whole
 from .engine import Engine, Request
+from .reasoning import opened_in, reads_reasoning
 from .schema import ApiError, Limits, Params, chat_params, completion_params, parse_json
 from .served import ServedModel
 from .tools import tools_refused
@@ -97,7 +98,8 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
                                   prompt_logprobs=params.logprobs if params.echo else None)  # fmt: skip
                 echo = (original if isinstance(original, str) else served.decode(prompt)) if params.echo else None
                 choices.append(Completion(served, engine, request, params.stop, chat=chat, index=i * params.n + j,
-                                          counts_prompt=j == 0, echo=echo, tools=params.tools))  # fmt: skip
+                                          counts_prompt=j == 0, echo=echo, tools=params.tools,
+                                          reasoning=params.reasoning))  # fmt: skip
                 metrics.prompt_tokens.inc(len(prompt))
                 engine.submit(request)
         return choices
@@ -124,9 +126,12 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
                 if refused:
                     raise ApiError(400, refused, param="tools" if params.tools is not None else "messages")
             try:
-                params.prompts = [served.chat_prompt(messages, params.tools)]
+                prompt = served.chat_prompt(messages, params.tools, params.template_options)
             except KVCacheError as err:
-                raise ApiError(400, str(err), param="messages") from None
+                raise ApiError(400, str(err), param="chat_template_kwargs" if served.kind == "bundled" else "messages"
+                               ) from None  # fmt: skip
+            params.prompts = [prompt]
+            params.reasoning = opened_in(prompt) if reads_reasoning(served) else None
         choices = submit(params, chat)
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
                 "model": served.name}  # fmt: skip

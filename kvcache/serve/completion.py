@@ -17,6 +17,7 @@ from ..generation.detokenize import Detokenizer
 from .engine import Request
 from .events import asyncio_sink
 from .logprobs import TokenLogprobs, chat_logprobs, completion_logprobs, echoed_logprobs, joined
+from .reasoning import Reasoning, ReasoningReader
 from .schema import ApiError
 from .served import ServedModel
 from .tools import ToolCall, ToolCallReader
@@ -29,11 +30,14 @@ class Completion:
     """One choice: its request's tokens turned into text as they arrive, stop strings applied.
     `index`: the choice's place in the answer; `counts_prompt`: whether its prompt counts in the
     answer's usage (the first of the `n` choices of a prompt); `echo`: the prompt's text, which the
-    completion's text starts with (its tokens' log probabilities come first too, when asked)."""
+    completion's text starts with (its tokens' log probabilities come first too, when asked). A chat
+answer is read for `tools` calls (the offered tools, None: none) and for `reasoning` (None: not
+read; else whether the prompt left the model thinking, `reasoning.opened_in`)."""
 
     def __init__(self, served: ServedModel, engine: Any, request: Request, stops: list[str], *,
                  chat: bool = False, index: int = 0, counts_prompt: bool = True,
-                 echo: str | None = None, tools: list[dict[str, Any]] | None = None) -> None:  # fmt: skip
+                 echo: str | None = None, tools: list[dict[str, Any]] | None = None,
+                 reasoning: bool | None = None) -> None:  # fmt: skip
         self.served, self.engine, self.request, self.stops, self.chat = served, engine, request, stops, chat
         self.index, self.counts_prompt, self.echo = index, counts_prompt, echo
         self.prompt_logprobs: list[TokenLogprobs] | None = None  # the engine's "prompt" event, when asked
@@ -46,6 +50,20 @@ class Completion:
         self._offset = (0, len(echo or ""))  # (tokens shaped so far, where their text ends), for text_offset
         self.detokenizer = Detokenizer(served.decode, served.token_bytes)
         self.calls = None if tools is None else ToolCallReader(tools)  # a chat offered tools: its text may hold calls
+        self.reasoning = None if reasoning is None else ReasoningReader(reasoning)
+
+    def read(self, text: str, end: bool = False) -> list[str | Reasoning | ToolCall]:
+        """A chat answer's next text as what the message shows: content, `Reasoning` and `ToolCall`
+        pieces in order (`end`: the answer ended, nothing is held back any more)."""
+        parts = [text] if self.reasoning is None else self.reasoning.feed(text)
+        if end and self.reasoning is not None:
+            parts += self.reasoning.finish()
+        out: list[str | Reasoning | ToolCall] = []
+        for part in parts:  # calls are read out of the content, not out of the reasoning
+            out += [part] if self.calls is None or isinstance(part, Reasoning) else self.calls.feed(part)
+        if end and self.calls is not None:
+            out += self.calls.finish()
+        return [part for part in out if not isinstance(part, str) or part]
 
     def _take(self, value: int | TokenLogprobs) -> int:
         """A token event's token (and its log probabilities, kept)."""
@@ -182,15 +200,19 @@ async def whole(http: HttpRequest, choices: list[Completion], chat: bool, logpro
 
 
 def _message(choice: Completion, text: str) -> dict[str, Any]:
-    """A whole chat answer's message: its text, or the text outside its tool calls and the calls."""
-    if choice.calls is None:
+    """A whole chat answer's message: its text; or its content, its reasoning and its tool calls."""
+    if choice.calls is None and choice.reasoning is None:
         return {"role": "assistant", "content": text}
-    parts = [*choice.calls.feed(text), *choice.calls.finish()]
+    parts = choice.read(text, end=True)
     calls = [part.shaped() for part in parts if isinstance(part, ToolCall)]
-    content = "".join(part for part in parts if isinstance(part, str))
-    if not calls:
-        return {"role": "assistant", "content": content}
-    return {"role": "assistant", "content": content or None, "tool_calls": calls}
+    content = "".join(part for part in parts if type(part) is str)
+    message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+    reasoning = "".join(part for part in parts if isinstance(part, Reasoning))
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = calls
+    return message
 
 
 async def _watch(http: HttpRequest, choices: list[Completion]) -> None:
@@ -253,7 +275,7 @@ async def _chunks(choice: Completion, head: dict[str, Any], kind: str, chat: boo
 
     made = 0  # tool calls streamed so far
 
-    def chunk(delta: str | ToolCall | None, finish: str | None, first: bool = False) -> str:
+    def chunk(delta: str | Reasoning | ToolCall | None, finish: str | None, first: bool = False) -> str:
         nonlocal reported, made
         given = None
         if logprobs and not first and len(choice.tokens) > reported:
@@ -262,6 +284,8 @@ async def _chunks(choice: Completion, head: dict[str, Any], kind: str, chat: boo
             piece: dict[str, Any] = {} if delta is None else {"content": delta}
             if isinstance(delta, ToolCall):
                 piece, made = {"tool_calls": [delta.shaped(made)]}, made + 1
+            elif isinstance(delta, Reasoning):
+                piece = {"reasoning_content": str(delta)}
             if first:
                 piece = {"role": "assistant", "content": ""}
             shaped = {"index": choice.index, "delta": piece, "logprobs": given, "finish_reason": finish}
@@ -280,9 +304,9 @@ async def _chunks(choice: Completion, head: dict[str, Any], kind: str, chat: boo
             usage = {"usage": None} if include_usage else {}
             yield f"data: {json.dumps({**head, 'object': kind, 'choices': [shaped], **usage})}\n\n", False
         async for piece in choice.deltas():
-            for part in [piece] if choice.calls is None else choice.calls.feed(piece):
+            for part in choice.read(piece) if chat else [piece]:
                 yield chunk(part, None), False
-        for part in [] if choice.calls is None else choice.calls.finish():
+        for part in choice.read("", end=True) if chat else []:
             yield chunk(part, None), False
     except ApiError as err:
         yield f"data: {json.dumps(err.body())}\n\n", True

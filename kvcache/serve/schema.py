@@ -44,7 +44,12 @@ MAX_CHOICES = 64
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options",
           "logprobs", "top_logprobs", "n", "logit_bias", "presence_penalty", "frequency_penalty"}  # fmt: skip
 COMPLETION_FIELDS = COMMON | {"prompt"} | set(NEUTRAL) | IGNORED
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"} | set(NEUTRAL) | IGNORED
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs"} | set(NEUTRAL) | IGNORED
+#: `apply_chat_template`'s own parameters, which `chat_template_kwargs` may not set.
+TEMPLATE_PARAMETERS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                       "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                       "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+                       "processor_kwargs"}  # fmt: skip
 
 
 @dataclass
@@ -73,6 +78,8 @@ class Params:
     include_usage: bool = False
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None  # a chat's function tools, as its template takes them
+    template_options: dict[str, Any] = field(default_factory=dict)  # a chat's `chat_template_kwargs`
+    reasoning: bool | None = None  # a chat's answer read for reasoning (True: it starts thinking); None: not
     logprobs: int | None = None  # None: no log probabilities; k: the chosen token's and the top k
     n: int = 1
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, added to the logits
@@ -262,12 +269,21 @@ def chat_params(body: dict[str, Any], model: str, limits: Limits) -> Params:
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list", param="messages")
     params.messages = [_message(i, message) for i, message in enumerate(messages)]
+    options = body.get("chat_template_kwargs", {})
+    if not isinstance(options, dict) or not all(isinstance(k, str) and k.isidentifier() for k in options):
+        raise ApiError(400, "chat_template_kwargs must be an object of variables for the chat template",
+                       param="chat_template_kwargs")  # fmt: skip
+    taken = sorted(set(options) & TEMPLATE_PARAMETERS)
+    if taken:
+        raise ApiError(400, f"chat_template_kwargs may not set {', '.join(taken)} (a request field or the "
+                       "server's choice)", param="chat_template_kwargs")  # fmt: skip
+    params.template_options = options
     return params
 
 
 def _message(i: int, message: Any) -> dict[str, Any]:
     """A chat message as the chat template takes it: its role and text, and a tool turn's parts
-    (an assistant's `tool_calls`, a tool's `tool_call_id`)."""
+    (an assistant's `tool_calls`, a tool's `tool_call_id`), and an assistant's `reasoning_content`."""
     roles = ("system", "user", "assistant", "developer", "tool")
     if not isinstance(message, dict) or message.get("role") not in roles:
         raise ApiError(400, f"messages[{i}] must be an object with a role of system, developer, user, assistant "
@@ -289,6 +305,12 @@ def _message(i: int, message: Any) -> dict[str, Any]:
         if role != "assistant":
             raise ApiError(400, f"messages[{i}]: only an assistant message has tool_calls", param=f"messages[{i}]")
         shaped["tool_calls"] = assistant_calls(i, calls)
+    thought = message.get("reasoning_content")
+    if thought is not None:  # an earlier answer's reasoning, sent back: the template decides what to keep
+        if role != "assistant" or not isinstance(thought, str):
+            raise ApiError(400, f"messages[{i}].reasoning_content must be a string, in an assistant message",
+                           param=f"messages[{i}].reasoning_content")  # fmt: skip
+        shaped["reasoning_content"] = thought
     if role == "tool":
         call_id = message.get("tool_call_id")
         if not isinstance(call_id, str):

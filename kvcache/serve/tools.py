@@ -20,6 +20,7 @@ from typing import Any
 
 from .api_error import ApiError
 from .call_formats import ToolCall, arguments_object, parameter_types, read_call
+from .tags import held_tail
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 #: The most tools one request may offer (OpenAI's limit).
@@ -104,14 +105,6 @@ def assistant_calls(i: int, calls: Any) -> list[dict[str, Any]]:
     return shaped
 
 
-def _opening(text: str) -> int:
-    """How many of `text`'s last characters could begin `OPEN`, with the whitespace before them."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-n:]):
-            return len(text) - len(text[: len(text) - n].rstrip())
-    return len(text) - len(text.rstrip())
-
-
 class ToolCallReader:
     """A chat answer's text, fed piece by piece, as content pieces and `ToolCall`s in order: what
     it gives for any split of the text is what it gives for the whole (held back: text that may yet
@@ -144,7 +137,7 @@ class ToolCallReader:
                 continue
             at = self._held.find(OPEN)
             if at < 0:
-                keep = _opening(self._held)
+                keep = held_tail(self._held, OPEN)
                 self._content(out, self._held[: len(self._held) - keep])
                 self._held = self._held[len(self._held) - keep :]
                 return out

@@ -1,0 +1,13 @@
+"""Text held back while an answer streams: what a tag that has not fully arrived may yet make
+markup (a tool call's, a reasoning block's)."""
+
+from __future__ import annotations
+
+
+def held_tail(text: str, tag: str) -> int:
+    """How many of `text`'s last characters to hold back until more text comes: a beginning of
+    `tag`, and the whitespace before it (which the tag would make layout)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return len(text) - len(text[: len(text) - n].rstrip())
+    return len(text) - len(text.rstrip())
