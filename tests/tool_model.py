@@ -126,9 +126,16 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+#: The directories trained in this test session, by `markup` (each is trained once)
+_TRAINED: dict[bool, Path] = {}
+
+
 def tool_model_dir(path: Path, markup: bool = False) -> Path:
     """The model directory (see the module docstring), trained until greedy decoding writes every
-    answer of `conversations(markup)` exactly."""
+    answer of `conversations(markup)` exactly: saved in `path`, or the one this session saved
+    already (read only)."""
+    if markup in _TRAINED and _TRAINED[markup].exists():
+        return _TRAINED[markup]
     import pytest
 
     transformers = pytest.importorskip("transformers")
@@ -141,7 +148,7 @@ def tool_model_dir(path: Path, markup: bool = False) -> Path:
               *(m.get("content") or "" for messages, _, _, _ in taught for m in messages)]  # fmt: skip
     bpe = byte_level_bpe(corpus, 400, ["<unk>", "<|im_start|>", "<|im_end|>"])
     tags = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<function=", "</function>",
-            "<parameter=", "</parameter>")  # fmt: skip
+            "<parameter=", "</parameter>", "<think>", "</think>")  # fmt: skip
     bpe.add_tokens([AddedToken(t, special=False) for t in tags])
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>",
                                                      unk_token="<unk>", pad_token="<unk>")  # fmt: skip
@@ -174,6 +181,7 @@ def tool_model_dir(path: Path, markup: bool = False) -> Path:
         raise AssertionError("the tool model did not learn its answers")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    _TRAINED[markup] = path
     return path
 
 

@@ -9,6 +9,7 @@ appeared leaves the batch at the engine's next step. A client that disconnects c
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import sys
@@ -28,7 +29,8 @@ from starlette.routing import Route
 
 from ..errors import KVCacheError
 from ..generation.sampling import Sampling
-from .completion import Completion, stream, usage, whole
+from . import responses
+from .completion import Completion, stream, usage, watch, whole
 from .engine import Engine, Request
 from .reasoning import opened_in, reads_reasoning
 from .schema import ApiError, Limits, Params, chat_params, completion_params, parse_json
@@ -116,8 +118,8 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
             chunks.append(chunk)
         return parse_json(b"".join(chunks))
 
-    async def generate(http: HttpRequest, chat: bool) -> Response:
-        body = await read(http)
+    def checked(body: dict[str, Any], chat: bool) -> Params:
+        """A request's parameters, a chat's prompt rendered by the model's template."""
         params = (chat_params if chat else completion_params)(body, served.name, limits)
         if chat:
             messages = params.messages or []
@@ -132,6 +134,10 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
                                ) from None  # fmt: skip
             params.prompts = [prompt]
             params.reasoning = opened_in(prompt) if reads_reasoning(served) else None
+        return params
+
+    async def generate(http: HttpRequest, chat: bool) -> Response:
+        params = checked(await read(http), chat)
         choices = submit(params, chat)
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
                 "model": served.name}  # fmt: skip
@@ -148,6 +154,23 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
 
     async def chat_completions(http: HttpRequest) -> Response:
         return await generate(http, chat=True)
+
+    async def response(http: HttpRequest) -> Response:
+        body = await read(http)
+        try:
+            params = checked(responses.chat_body(body), chat=True)
+        except ApiError as err:
+            raise responses.renamed(err) from None
+        shape = responses.ResponseShape(body, served.name)
+        (choice,) = submit(params, chat=True)
+        if params.stream:
+            return StreamingResponse(responses.events(choice, shape), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})  # fmt: skip
+        watcher = asyncio.create_task(watch(http, [choice]))
+        try:
+            return JSONResponse(await responses.whole(choice, shape))
+        finally:
+            watcher.cancel()
 
     card = {"id": served.name, "object": "model", "created": 0, "owned_by": "kvcache"}
 
@@ -176,6 +199,7 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
     routes = [
         Route("/v1/completions", endpoint("completions", completions, auth=True), methods=["POST"]),
         Route("/v1/chat/completions", endpoint("chat", chat_completions, auth=True), methods=["POST"]),
+        Route("/v1/responses", endpoint("responses", response, auth=True), methods=["POST"]),
         Route("/v1/models", endpoint("models", models, auth=True), methods=["GET"]),
         Route("/v1/models/{name:path}", endpoint("models", model, auth=True), methods=["GET"]),
         Route("/health", endpoint("health", health, auth=False), methods=["GET"]),

@@ -178,7 +178,7 @@ async def whole(http: HttpRequest, choices: list[Completion], chat: bool, logpro
         return "".join([piece async for piece in choice.deltas()])
 
     tasks = [asyncio.create_task(text(c)) for c in choices]
-    watcher = asyncio.create_task(_watch(http, choices))
+    watcher = asyncio.create_task(watch(http, choices))
     try:
         texts = await asyncio.gather(*tasks)
     finally:
@@ -215,7 +215,7 @@ def _message(choice: Completion, text: str) -> dict[str, Any]:
     return message
 
 
-async def _watch(http: HttpRequest, choices: list[Completion]) -> None:
+async def watch(http: HttpRequest, choices: list[Completion]) -> None:
     """Cancel a non-streamed answer's rows when its client went away."""
     while any(c.finish_reason is None for c in choices):
         if await http.is_disconnected():

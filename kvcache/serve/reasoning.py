@@ -47,6 +47,7 @@ class ReasoningReader:
         self._state = "inside" if thinking else "start"
         self._held = ""
         self._leading = True  # the reasoning's first text is still to come: whitespace before it is layout
+        self.reasoned = thinking  # the answer has a reasoning block (opened by the prompt or by itself)
 
     def feed(self, text: str) -> list[str]:
         self._held += text
@@ -57,7 +58,7 @@ class ReasoningReader:
                 if not bare or (THINK.startswith(bare) and bare != THINK):  # may still open
                     return out
                 if bare.startswith(THINK):
-                    self._held, self._state = bare[len(THINK) :], "inside"
+                    self._held, self._state, self.reasoned = bare[len(THINK) :], "inside", True
                     continue
                 self._state = "content"
             if self._state == "inside":
