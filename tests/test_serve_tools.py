@@ -378,12 +378,15 @@ def test_a_thinking_model_answers_with_its_reasoning_apart_whole_and_streamed(to
     if len(taught) == 4:
         pytest.skip("the JSON model's template does not think")
     c = client(process)
+    tokenizer = AutoTokenizer.from_pretrained(where)
     for messages, _, answer, _ in taught[4:]:
         thought, content = answer.split(UNTHINK)
         expected = (thought.removeprefix(THINK).strip(), content.strip())
         whole = c.chat.completions.create(model="tool-model", messages=messages, temperature=0, max_tokens=40)
         message = whole.choices[0].message
         assert (message.reasoning_content, message.content) == expected and whole.choices[0].finish_reason == "stop"
+        through = tokenizer.encode(thought + UNTHINK, add_special_tokens=False)  # the tokens it was trained to think in
+        assert whole.usage.completion_tokens_details.reasoning_tokens == len(through)
         thinking, said = "", ""
         for chunk in c.chat.completions.create(model="tool-model", messages=messages, temperature=0, max_tokens=40,
                                                stream=True):  # fmt: skip
@@ -391,7 +394,6 @@ def test_a_thinking_model_answers_with_its_reasoning_apart_whole_and_streamed(to
             thinking += getattr(delta, "reasoning_content", None) or ""
             said += delta.content or ""
         assert (thinking, said) == expected
-    tokenizer = AutoTokenizer.from_pretrained(where)
     turns = [{"role": "user", "content": "Why is the sky blue?"},
              {"role": "assistant", "content": "Blue light scatters most.", "reasoning_content": "Light scatters."},
              {"role": "user", "content": "Say hello."}]  # fmt: skip

@@ -17,7 +17,7 @@ from ..generation.detokenize import Detokenizer
 from .engine import Request
 from .events import asyncio_sink
 from .logprobs import TokenLogprobs, chat_logprobs, completion_logprobs, echoed_logprobs, joined
-from .reasoning import Reasoning, ReasoningReader
+from .reasoning import UNTHINK, Reasoning, ReasoningReader
 from .schema import ApiError
 from .served import ServedModel
 from .tools import ToolCall, ToolCallReader
@@ -167,8 +167,26 @@ def usage(choices: list[Completion]) -> dict[str, Any]:
     prompt = sum(len(c.request.prompt) for c in choices if c.counts_prompt)
     completion = sum(len(c.tokens) for c in choices)
     cached = sum(c.request.cached_tokens for c in choices if c.counts_prompt)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+    out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+           "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+    if any(c.reasoning is not None for c in choices):  # a thinking model's: how much of the answer was reasoning
+        out["completion_tokens_details"] = {"reasoning_tokens": sum(map(reasoning_tokens, choices))}
+    return out
+
+
+def reasoning_tokens(choice: Completion) -> int:
+    """How many of the answer's tokens were reasoning: those up to the one that completes
+    `</think>` (all of them where it never came); 0 for an answer without reasoning."""
+    if choice.reasoning is None or not choice.reasoning.reasoned:
+        return 0
+    tokens, decode = choice.tokens, choice.served.decode
+    low, high = 1, len(tokens)  # the fewest leading tokens whose text holds the closing tag
+    if UNTHINK not in decode(tokens):
+        return len(tokens)
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if UNTHINK in decode(tokens[:mid]) else (mid + 1, high)
+    return low
 
 
 async def whole(http: HttpRequest, choices: list[Completion], chat: bool, logprobs: bool) -> list[dict[str, Any]]:

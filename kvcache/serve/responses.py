@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from .api_error import ApiError
-from .completion import Completion, usage
-from .reasoning import UNTHINK, Reasoning
+from .completion import Completion, reasoning_tokens, usage
+from .reasoning import Reasoning
 from .tools import ToolCall
 
 #: Responses fields that are the chat's under another name, or the Responses API's own.
@@ -142,21 +142,6 @@ class ResponseShape:
                             "total_tokens": counted["total_tokens"], "input_tokens_details": {"cached_tokens": cached},
                             "output_tokens_details": {"reasoning_tokens": reasoning_tokens(choice)}}  # fmt: skip
         return out
-
-
-def reasoning_tokens(choice: Completion) -> int:
-    """How many of the answer's tokens were reasoning: those up to the one that completes
-    `</think>` (all of them where it never came); 0 for an answer without reasoning."""
-    if choice.reasoning is None or not choice.reasoning.reasoned:
-        return 0
-    tokens, decode = choice.tokens, choice.served.decode
-    low, high = 1, len(tokens)  # the fewest leading tokens whose text holds the closing tag
-    if UNTHINK not in decode(tokens):
-        return len(tokens)
-    while low < high:
-        mid = (low + high) // 2
-        low, high = (low, mid) if UNTHINK in decode(tokens[:mid]) else (mid + 1, high)
-    return low
 
 
 def items(parts: list[str | Reasoning | ToolCall], status: str = "completed") -> list[dict[str, Any]]:
