@@ -152,3 +152,12 @@ def test_a_thinking_models_reasoning_is_a_reasoning_item(markup_server) -> None:
         assert "".join(e.delta for e in seen if e.type == "response.reasoning_text.delta") == whole.output[0].content[
             0].text  # fmt: skip
         assert final.output_text == whole.output_text
+        # sent back, the reasoning item is the reasoning of the assistant turn after it, as the template renders it
+        turns = [*messages, {"role": "assistant", "content": whole.output_text,
+                             "reasoning_content": whole.output[0].content[0].text}, {"role": "user", "content": "Hi"}]
+        rendered = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        returned = [item.model_dump(exclude_none=True) for item in whole.output]
+        again = c.responses.create(model="tool-model", temperature=0, max_output_tokens=2,
+                                   input=[*messages, *returned, {"role": "user", "content": "Hi"}])  # fmt: skip
+        assert again.usage.input_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
+        assert "</think>" in rendered.split("<|im_start|>assistant")[1]

@@ -5,8 +5,8 @@ chat's, and the answer comes back as output items (a `reasoning` item, a `messag
 
 The server keeps no responses: `previous_response_id` is refused (send the conversation as
 `input`, with earlier `function_call` and `function_call_output` items), and `store` changes
-nothing. Reasoning items sent back in `input` are left out (chat templates drop earlier turns'
-reasoning).
+nothing. A reasoning item sent back in `input` is the `reasoning_content` of the assistant turn
+after it (the chat template decides what of it to keep).
 """
 
 from __future__ import annotations
@@ -65,15 +65,18 @@ def _messages(given: Any, instructions: Any) -> list[dict[str, Any]]:
         return [*head, {"role": "user", "content": given}]
     if not isinstance(given, list) or not given:
         raise ApiError(400, "input must be a string or a non-empty list of input items", param="input")
-    out = head
+    out, thought = head, None  # thought: a reasoning item's text, for the assistant turn it comes before
     for i, item in enumerate(given):
         kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "reasoning":
+            thought = _text(i, item.get("content") or item.get("summary") or "")
+            continue
         if kind == "message" and isinstance(item.get("content"), (str, list)):
             out.append({"role": item.get("role"), "content": _text(i, item["content"])})
         elif kind == "function_call" and all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}  # fmt: skip
-            if out and out[-1]["role"] == "assistant":
+            if out and out[-1]["role"] == "assistant" and thought is None:
                 out[-1].setdefault("tool_calls", []).append(call)  # calls after the text they follow
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
@@ -81,18 +84,23 @@ def _messages(given: Any, instructions: Any) -> list[dict[str, Any]]:
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": output if isinstance(output, str) else _text(i, output)})  # fmt: skip
-        elif kind != "reasoning":
+        else:
             raise ApiError(400, f"input[{i}] must be a message, a function_call (call_id, name, arguments), a "
                            "function_call_output (call_id, output) or a reasoning item",
                            param=f"input[{i}]")  # fmt: skip
+        if thought and out[-1]["role"] == "assistant":  # (the chat template decides what of it to keep)
+            out[-1]["reasoning_content"] = thought
+        thought = None
     return out
 
 
 def _text(i: int, content: Any) -> str:
-    """A message's text: a string, or its text parts (`input_text`, `output_text`) joined."""
+    """A message's text: a string, or its text parts (`input_text`, `output_text`; a reasoning
+    item's `reasoning_text` or `summary_text`) joined."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in ("input_text", "output_text", "text")
+    kinds = ("input_text", "output_text", "text", "reasoning_text", "summary_text")
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in kinds
                                          and isinstance(p.get("text"), str) for p in content):  # fmt: skip
         return "".join(p["text"] for p in content)
     raise ApiError(400, f"input[{i}].content must be a string or a list of text parts", param=f"input[{i}].content")
