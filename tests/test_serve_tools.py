@@ -204,6 +204,7 @@ def test_a_prompt_that_leaves_think_open_starts_the_answer_thinking() -> None:
     assert opened_in("<|im_start|>assistant\n<think>\n")
     assert not opened_in("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # thinking switched off
     assert not opened_in("<|im_start|>assistant\n")
+    assert not opened_in("<|im_start|>user\nwhat does <think> do?<|im_end|>\n<|im_start|>assistant\n")
 
 
 # ------------------------------------------------------------------------------- the checks

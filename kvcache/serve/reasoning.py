@@ -5,8 +5,8 @@ serve` and vLLM return it), whole or streamed.
 
 An answer is read so when the model's chat template writes those tags and its tokenizer decodes
 them as text. Its reasoning starts at a `<think>` the answer opens with (after whitespace), or at
-once where the prompt itself left a `<think>` open (a template that starts the assistant's turn
-thinking), and ends at `</think>`; it is shown without the whitespace around it, and the content
+once where the prompt itself ends by opening `<think>` (a template that starts the assistant's
+turn thinking), and ends at `</think>`; it is shown without the whitespace around it, and the content
 after it without the whitespace that follows the tag (the template's layout). An answer that
 ends while thinking (`max_tokens`) is reasoning alone. Without a `<think>` at its start the whole
 answer is content, tags and all.
@@ -34,14 +34,16 @@ def reads_reasoning(served: Any) -> bool:
 
 
 def opened_in(prompt: str) -> bool:
-    """Whether `prompt` (a rendered chat prompt) leaves a `<think>` open: the answer starts thinking."""
-    return prompt.rfind(THINK) > prompt.rfind(UNTHINK)
+    """Whether `prompt` (a rendered chat prompt) ends by opening `<think>` (a template that starts
+    the assistant's turn thinking): the answer starts inside its reasoning. Only the end counts: a
+    `<think>` a message wrote earlier in the conversation opens nothing."""
+    return prompt.rstrip().endswith(THINK)
 
 
 class ReasoningReader:
     """An answer's text, fed piece by piece, as `Reasoning` and content pieces in order: what it
-    gives for any split of the text is what it gives for the whole. `thinking`: the prompt left
-    a `<think>` open (`opened_in`)."""
+    gives for any split of the text is what it gives for the whole. `thinking`: the prompt ended
+    by opening `<think>` (`opened_in`)."""
 
     def __init__(self, thinking: bool = False) -> None:
         self._state = "inside" if thinking else "start"
