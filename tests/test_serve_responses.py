@@ -31,7 +31,7 @@ def bundled_server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def markup_server(tmp_path_factory):
     """The tool model that writes Qwen 3.5's markup and thinks, and its directory."""
-    where = tool_model_dir(tmp_path_factory.mktemp("tool-model") / "tool-model", markup=True)
+    where = tool_model_dir(tmp_path_factory.mktemp("tool-model") / "tool-model", style="markup")
     process = ServeProcess("--model", str(where), "--threads", "1")
     process.start(tmp_path_factory.mktemp("serve") / "stderr.log")
     yield process, where
@@ -97,7 +97,7 @@ def test_function_calls_and_their_outputs_go_round_the_responses_api(markup_serv
 
     process, where = markup_server
     c = client(process)
-    asked, reply = conversations(markup=True)[0], conversations(markup=True)[2]
+    asked, reply = conversations(style="markup")[0], conversations(style="markup")[2]
     question = asked[0][0]["content"]
     asking = {"model": "tool-model", "input": question, "tools": FLAT, "temperature": 0, "max_output_tokens": 80}
     first = c.responses.create(**asking)
@@ -136,7 +136,7 @@ def test_a_thinking_models_reasoning_is_a_reasoning_item(markup_server) -> None:
     process, where = markup_server
     c = client(process)
     tokenizer = AutoTokenizer.from_pretrained(where)
-    for messages, _, answer, _ in conversations(markup=True)[4:]:
+    for messages, _, answer, _ in conversations(style="markup")[4:]:
         thought, content = answer.split("</think>")
         whole = c.responses.create(model="tool-model", input=messages, temperature=0, max_output_tokens=40)
         assert [item.type for item in whole.output] == ["reasoning", "message"]

@@ -24,7 +24,6 @@ from tool_model import (  # noqa: E402
     MARKUP_TEMPLATE,
     TOOLS,
     WEATHER,
-    call_text,
     called,
     conversations,
     template_messages,
@@ -33,12 +32,18 @@ from tool_model import (  # noqa: E402
 
 from kvcache.serve.reasoning import THINK, UNTHINK, Reasoning, ReasoningReader, opened_in  # noqa: E402
 from kvcache.serve.schema import ApiError, Limits, chat_params, completion_params  # noqa: E402
-from kvcache.serve.tools import CLOSE, OPEN, ToolCall, ToolCallReader  # noqa: E402
+from kvcache.serve.tools import CLOSE, OPEN, BareCallReader, ToolCall, ToolCallReader  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------------- the reader
+def cut(text: str, cuts: list[int]) -> list[str]:
+    """`text` cut at the positions `cuts` (those past its end at its end)."""
+    bounds = sorted({min(c, len(text)) for c in cuts})
+    return [text[a:b] for a, b in zip([0, *bounds], [*bounds, len(text)], strict=True)]
+
+
 def read(pieces: list[str]) -> tuple[str, list[tuple[str, dict]]]:
     """The content and the calls (name, arguments) a reader gives for `pieces` fed in turn."""
     reader = ToolCallReader()
@@ -77,8 +82,7 @@ def answers(draw) -> tuple[str, str, list[tuple[str, dict]]]:
 @given(answers(), st.lists(st.integers(0, 200), max_size=6))
 def test_the_reader_gives_each_answers_calls_and_text_for_any_split(answer, cuts) -> None:
     text, content, made = answer
-    bounds = sorted({min(c, len(text)) for c in cuts})
-    pieces = [text[a:b] for a, b in zip([0, *bounds], [*bounds, len(text)], strict=True)]
+    pieces = cut(text, cuts)
     assert read([text]) == (content, made)
     assert read(pieces) == (content, made)
     assert read(list(text)) == (content, made)
@@ -92,6 +96,29 @@ def test_a_call_that_is_not_json_or_never_closes_stays_text() -> None:
     # arguments given as JSON text, or as `parameters` (Llama's name for them), read as an object
     assert read([OPEN + '{"name": "f", "arguments": "{\\"a\\": 1}"}' + CLOSE]) == ("", [("f", {"a": 1})])
     assert read([OPEN + '{"name": "f", "parameters": {"a": 1}}' + CLOSE]) == ("", [("f", {"a": 1})])
+
+
+@st.composite
+def bare_answers(draw) -> tuple[str, str, list[tuple[str, dict]]]:
+    """An answer as Llama 3's template asks (calls alone, `;` between), or text; its content and calls."""
+    made = draw(st.lists(calls, max_size=3))
+    if not made or draw(st.booleans()):  # text (perhaps a call with something after it: not calls alone)
+        text = draw(words) if not made else json.dumps({"name": made[0][0], "parameters": made[0][1]}) + " ok"
+        return text, text, []
+    parts = [json.dumps({"name": name, "parameters": args}, ensure_ascii=False) for name, args in made]
+    return draw(layout) + draw(st.sampled_from(["; ", ";", "\n"])).join(parts) + draw(layout), "", made
+
+
+@settings(max_examples=100, deadline=None)
+@given(bare_answers(), st.lists(st.integers(0, 120), max_size=5))
+def test_bare_calls_are_the_whole_answer_for_any_split(answer, cuts) -> None:
+    text, content, made = answer
+    pieces = cut(text, cuts)
+    for split in ([text], pieces, list(text)):
+        reader = BareCallReader()
+        parts = [part for piece in split for part in reader.feed(piece)] + reader.finish()
+        assert "".join(p for p in parts if isinstance(p, str)) == content
+        assert [(p.name, json.loads(p.arguments)) for p in parts if isinstance(p, ToolCall)] == made
 
 
 # A tool whose parameters take every JSON Schema type (an Optional[str] too)
@@ -193,8 +220,7 @@ def thoughts(draw) -> tuple[str, bool, str, str]:
 @given(thoughts(), st.lists(st.integers(0, 60), max_size=6))
 def test_the_reasoning_reader_gives_each_answers_reasoning_and_content_for_any_split(answer, cuts) -> None:
     text, thinking, thought, content = answer
-    bounds = sorted({min(c, len(text)) for c in cuts})
-    pieces = [text[a:b] for a, b in zip([0, *bounds], [*bounds, len(text)], strict=True)]
+    pieces = cut(text, cuts)
     assert reasoned([text], thinking) == (thought, content)
     assert reasoned(pieces, thinking) == (thought, content)
     assert reasoned(list(text), thinking) == (thought, content)
@@ -260,11 +286,11 @@ def test_tools_and_tool_turns_are_shaped_as_chat_templates_take_them() -> None:
 
 
 # ------------------------------------------------------------------------------- served
-@pytest.fixture(scope="module", params=[False, True], ids=["json", "markup"])
+@pytest.fixture(scope="module", params=["json", "markup", "bare"])
 def tool_server(request, tmp_path_factory):
-    """A server of the tool model trained to write JSON calls, or markup calls; and its directory
-    and conversations."""
-    where = tool_model_dir(tmp_path_factory.mktemp("tool-model") / "tool-model", markup=request.param)
+    """A server of the tool model trained to write tagged JSON calls, markup calls or Llama 3's
+    bare JSON calls; and its directory and conversations."""
+    where = tool_model_dir(tmp_path_factory.mktemp("tool-model") / "tool-model", style=request.param)
     process = ServeProcess("--model", str(where), "--threads", "1")
     process.start(tmp_path_factory.mktemp("serve") / "stderr.log")
     yield process, where, conversations(request.param)
@@ -300,7 +326,8 @@ def test_a_model_calls_tools_through_the_official_client_whole_and_streamed(tool
     process, _, taught = tool_server
     c = client(process)
     for messages, tools, answer, cities in taught[:2]:
-        text = answer.split(OPEN)[0].strip() or None  # what the trained answer says outside its calls
+        # what the trained answer says outside its calls (a bare call is the whole answer)
+        text = (answer.split(OPEN)[0].strip() or None) if OPEN in answer else None
         expected = [("get_weather", {"city": city}) for city in cities]
         whole = c.chat.completions.create(model="tool-model", messages=messages, tools=tools, temperature=0,
                                           max_tokens=80)  # fmt: skip
@@ -334,7 +361,7 @@ def test_a_tool_result_is_answered_and_the_turns_are_rendered_as_the_template_do
     prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert plain.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
     assert plain.choices[0].message.tool_calls is None
-    assert call_text("Paris", markup=OPEN + "\n<function=" in taught[0][2]) != plain.choices[0].message.content
+    assert taught[0][2] != plain.choices[0].message.content
 
 
 def test_a_model_without_a_tool_format_refuses_tools_and_tool_turns(bundled_server) -> None:
@@ -377,7 +404,7 @@ def test_a_thinking_model_answers_with_its_reasoning_apart_whole_and_streamed(to
 
     process, where, taught = tool_server
     if len(taught) == 4:
-        pytest.skip("the JSON model's template does not think")
+        pytest.skip("this model's template does not think")
     c = client(process)
     tokenizer = AutoTokenizer.from_pretrained(where)
     for messages, _, answer, _ in taught[4:]:

@@ -1,6 +1,7 @@
 """A tiny transformers model that calls tools: a ChatML chat template that writes the request's
 tools and asks for calls between `<tool_call>` tags, as Qwen 3's JSON (`JSON_TEMPLATE`) or as Qwen
-3.5's `<function=...>` markup (`MARKUP_TEMPLATE`), a byte-level BPE tokenizer with those tags, and
+3.5's `<function=...>` markup (`MARKUP_TEMPLATE`), or for Llama 3's bare JSON calls
+(`BARE_TEMPLATE`: the tools in the first user message); a byte-level BPE tokenizer with those tags; and
 a 2-layer Llama trained here (a few seconds on a CPU) to answer four conversations as
 `conversations` says: a call after some text, two calls, a reply to a tool's result, a plain
 answer; and with the markup, which thinks as Qwen 3.5 does (`enable_thinking=False` closes an
@@ -68,15 +69,38 @@ MARKUP_TEMPLATE = TEMPLATE.replace("""{"name": <name>, "arguments": <arguments>}
 
 {% endif %}{% endif %}""")
 
+#: Llama 3's way: the tools and the instruction in the first user message, a call the whole answer
+BARE_TEMPLATE = """{%- if tools %}<|im_start|>user
+Given the following functions, please respond with a JSON for a function call that answers the prompt.
+Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}{{ messages[0].content }}<|im_end|>
+{% set messages = messages[1:] %}{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'tool' %}<|im_start|>ipython
+{{ m.content }}<|im_end|>
+{% elif m.tool_calls %}<|im_start|>assistant
+{% for call in m.tool_calls %}{% set f = call.function %}\
+{"name": "{{ f.name }}", "parameters": {{ f.arguments | tojson }}}{% endfor %}<|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+TEMPLATES = {"json": JSON_TEMPLATE, "markup": MARKUP_TEMPLATE, "bare": BARE_TEMPLATE}
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city now.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
 TOOLS = [WEATHER]
 
 
-def call_text(city: str, markup: bool = False) -> str:
-    """get_weather(city) as the model writes it."""
-    if markup:
+def call_text(city: str, style: str = "json") -> str:
+    """get_weather(city) as the model writes it in `style` (a key of `TEMPLATES`)."""
+    if style == "bare":
+        return '{"name": "get_weather", "parameters": {"city": "' + city + '"}}'
+    if style == "markup":
         return f"<tool_call>\n<function=get_weather>\n<parameter=city>\n{city}\n</parameter>\n</function>\n</tool_call>"
     return '<tool_call>\n{"name": "get_weather", "arguments": {"city": "' + city + '"}}\n</tool_call>'
 
@@ -94,13 +118,14 @@ def called(city: str, call_id: str = "call_1") -> dict[str, Any]:
 Conversation = tuple[list[dict[str, Any]], list[dict[str, Any]] | None, str, list[str]]
 
 
-def conversations(markup: bool = False) -> list[Conversation]:
-    """What the model is trained to answer, its calls written as JSON or as `markup`."""
+def conversations(style: str = "json") -> list[Conversation]:
+    """What the model is trained to answer, its calls written in `style` (a bare call is the whole
+    answer: no text before it; two are separated by `;`)."""
     return [
         ([{"role": "user", "content": "What is the weather in Paris?"}], TOOLS,
-         "Let me check.\n" + call_text("Paris", markup), ["Paris"]),
+         ("" if style == "bare" else "Let me check.\n") + call_text("Paris", style), ["Paris"]),
         ([{"role": "user", "content": "Weather in Rome and Oslo?"}], TOOLS,
-         call_text("Rome", markup) + "\n" + call_text("Oslo", markup), ["Rome", "Oslo"]),
+         call_text("Rome", style) + ("; " if style == "bare" else "\n") + call_text("Oslo", style), ["Rome", "Oslo"]),
         ([{"role": "user", "content": "What is the weather in Paris?"}, called("Paris"),
           {"role": "tool", "content": "sunny, 21 C", "tool_call_id": "call_1"}], TOOLS, "It is sunny in Paris.", []),
         ([{"role": "user", "content": "Say hello."}], None, "Hello there!", []),
@@ -108,7 +133,7 @@ def conversations(markup: bool = False) -> list[Conversation]:
         ([{"role": "user", "content": "Think, then greet me."}], None, "A greeting is wanted.\n</think>\n\nHi!", []),
         ([{"role": "user", "content": "Why is the sky blue?"}], None,
          "<think>\nLight scatters.\n</think>\n\nBlue light scatters most.", []),
-    ] if markup else [])  # fmt: skip
+    ] if style == "markup" else [])  # fmt: skip
 
 
 CONVERSATIONS = conversations()
@@ -127,15 +152,15 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 #: The directories trained in this test session, by `markup` (each is trained once)
-_TRAINED: dict[bool, Path] = {}
+_TRAINED: dict[str, Path] = {}
 
 
-def tool_model_dir(path: Path, markup: bool = False) -> Path:
+def tool_model_dir(path: Path, style: str = "json") -> Path:
     """The model directory (see the module docstring), trained until greedy decoding writes every
-    answer of `conversations(markup)` exactly: saved in `path`, or the one this session saved
+    answer of `conversations(style)` exactly: saved in `path`, or the one this session saved
     already (read only)."""
-    if markup in _TRAINED and _TRAINED[markup].exists():
-        return _TRAINED[markup]
+    if style in _TRAINED and _TRAINED[style].exists():
+        return _TRAINED[style]
     import pytest
 
     transformers = pytest.importorskip("transformers")
@@ -143,7 +168,7 @@ def tool_model_dir(path: Path, markup: bool = False) -> Path:
     from serve_kit import byte_level_bpe
     from tokenizers import AddedToken
 
-    template, taught = MARKUP_TEMPLATE if markup else JSON_TEMPLATE, conversations(markup)
+    template, taught = TEMPLATES[style], conversations(style)
     corpus = [template, json.dumps(TOOLS), *(answer for _, _, answer, _ in taught),
               *(m.get("content") or "" for messages, _, _, _ in taught for m in messages)]  # fmt: skip
     bpe = byte_level_bpe(corpus, 400, ["<unk>", "<|im_start|>", "<|im_end|>"])
@@ -181,7 +206,7 @@ def tool_model_dir(path: Path, markup: bool = False) -> Path:
         raise AssertionError("the tool model did not learn its answers")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    _TRAINED[markup] = path
+    _TRAINED[style] = path
     return path
 
 

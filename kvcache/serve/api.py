@@ -35,7 +35,7 @@ from .engine import Engine, Request
 from .reasoning import opened_in, reads_reasoning
 from .schema import ApiError, Limits, Params, chat_params, completion_params, parse_json
 from .served import ServedModel
-from .tools import tools_refused
+from .tools import bare_calls, tools_refused
 
 
 def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = None,
@@ -101,7 +101,7 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
                 echo = (original if isinstance(original, str) else served.decode(prompt)) if params.echo else None
                 choices.append(Completion(served, engine, request, params.stop, chat=chat, index=i * params.n + j,
                                           counts_prompt=j == 0, echo=echo, tools=params.tools,
-                                          reasoning=params.reasoning))  # fmt: skip
+                                          reasoning=params.reasoning, bare_calls=params.bare_calls))  # fmt: skip
                 metrics.prompt_tokens.inc(len(prompt))
                 engine.submit(request)
         return choices
@@ -134,6 +134,7 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
                                ) from None  # fmt: skip
             params.prompts = [prompt]
             params.reasoning = opened_in(prompt) if reads_reasoning(served) else None
+            params.bare_calls = params.tools is not None and bare_calls(served)
         return params
 
     async def generate(http: HttpRequest, chat: bool) -> Response:

@@ -20,7 +20,7 @@ from .logprobs import TokenLogprobs, chat_logprobs, completion_logprobs, echoed_
 from .reasoning import UNTHINK, Reasoning, ReasoningReader
 from .schema import ApiError
 from .served import ServedModel
-from .tools import ToolCall, ToolCallReader
+from .tools import BareCallReader, ToolCall, ToolCallReader
 
 #: How often a non-streamed answer checks whether its client is still there (seconds).
 DISCONNECT_POLL_S = 0.1
@@ -32,12 +32,13 @@ class Completion:
     answer's usage (the first of the `n` choices of a prompt); `echo`: the prompt's text, which the
     completion's text starts with (its tokens' log probabilities come first too, when asked). A chat
 answer is read for `tools` calls (the offered tools, None: none) and for `reasoning` (None: not
-read; else whether the prompt left the model thinking, `reasoning.opened_in`)."""
+read; else whether the prompt left the model thinking, `reasoning.opened_in`); `bare_calls`: the
+model writes calls as Llama 3 does (`tools.BareCallReader`)."""
 
     def __init__(self, served: ServedModel, engine: Any, request: Request, stops: list[str], *,
                  chat: bool = False, index: int = 0, counts_prompt: bool = True,
                  echo: str | None = None, tools: list[dict[str, Any]] | None = None,
-                 reasoning: bool | None = None) -> None:  # fmt: skip
+                 reasoning: bool | None = None, bare_calls: bool = False) -> None:  # fmt: skip
         self.served, self.engine, self.request, self.stops, self.chat = served, engine, request, stops, chat
         self.index, self.counts_prompt, self.echo = index, counts_prompt, echo
         self.prompt_logprobs: list[TokenLogprobs] | None = None  # the engine's "prompt" event, when asked
@@ -49,7 +50,9 @@ read; else whether the prompt left the model thinking, `reasoning.opened_in`).""
         self.logprobs: list[TokenLogprobs] = []  # the tokens' log probabilities, when the request asked
         self._offset = (0, len(echo or ""))  # (tokens shaped so far, where their text ends), for text_offset
         self.detokenizer = Detokenizer(served.decode, served.token_bytes)
-        self.calls = None if tools is None else ToolCallReader(tools)  # a chat offered tools: its text may hold calls
+        self.calls: ToolCallReader | BareCallReader | None = None  # a chat offered tools: its text may hold calls
+        if tools is not None:
+            self.calls = BareCallReader() if bare_calls else ToolCallReader(tools)
         self.reasoning = None if reasoning is None else ReasoningReader(reasoning)
 
     def read(self, text: str, end: bool = False) -> list[str | Reasoning | ToolCall]:

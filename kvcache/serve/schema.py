@@ -80,6 +80,7 @@ class Params:
     tools: list[dict[str, Any]] | None = None  # a chat's function tools, as its template takes them
     template_options: dict[str, Any] = field(default_factory=dict)  # a chat's `chat_template_kwargs`
     reasoning: bool | None = None  # a chat's answer read for reasoning (True: it starts thinking); None: not
+    bare_calls: bool = False  # a chat's calls are written as Llama 3's bare JSON (`tools.BareCallReader`)
     logprobs: int | None = None  # None: no log probabilities; k: the chosen token's and the top k
     n: int = 1
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, added to the logits

@@ -6,15 +6,17 @@ The calls are read in the formats of Qwen's and Hermes' chat templates, the ones
 models with tool use are trained on: each call between `<tool_call>` and `</tool_call>`, as a JSON
 object `{"name": ..., "arguments": {...}}` (Qwen 3, Hermes) or as `<function=...>` markup with
 one `<parameter=...>` per argument (Qwen 3.5, Qwen3-Coder; its values typed by the offered tool's
-schema: `call_formats`). A model is served with tools when its chat template writes the tools
-and asks for calls between those tags; other models refuse `tools` with a 400 rather than answer
-with calls no one reads. Text between calls is the message's content (whitespace next to a call is the
-template's layout, not content); a region that does not hold such an object, or that the answer
-ended inside, stays content, as the model wrote it.
+schema: `call_formats`). Llama 3.1-3.3's templates ask instead for an answer that is nothing but
+a JSON object `{"name": ..., "parameters": {...}}` (no tags; `BareCallReader`). A model is served
+with tools when its chat template writes the tools and asks for one of these; other models refuse
+`tools` with a 400 rather than answer with calls no one reads. Text between tagged calls is the
+message's content (whitespace next to a call is the template's layout, not content); a region
+that does not hold a call, or that the answer ended inside, stays content, as the model wrote it.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -23,6 +25,8 @@ from .call_formats import ToolCall, arguments_object, parameter_types, read_call
 from .tags import held_tail
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+#: What Llama 3.1-3.3's chat templates say when they ask for a bare JSON call.
+BARE = '"parameters": dictionary of argument name and its value'
 #: The most tools one request may offer (OpenAI's limit).
 MAX_TOOLS = 128
 #: What OpenAI allows as a function's name.
@@ -31,16 +35,23 @@ NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 def tools_refused(served: Any) -> str | None:
     """Why `served` (a `TextModel`) cannot be served with tools, None when it can: its chat template
-    must write the request's tools and ask for calls between `<tool_call>` tags, and its tokenizer
-    must decode that tag as text."""
+    must write the request's tools and ask for calls between `<tool_call>` tags (which its tokenizer
+    must decode as text) or for bare JSON calls."""
     tokenizer = served.tokenizer
     template = None if served.kind == "bundled" else getattr(tokenizer, "chat_template", None)
-    if not isinstance(template, str) or "tools" not in template or OPEN not in template:
+    if not isinstance(template, str) or "tools" not in template or (OPEN not in template and BARE not in template):
         return ("the served model's chat template does not write tools in a format this server reads "
-                f"({OPEN} JSON or <function=...> markup {CLOSE}, as Qwen's and Hermes' templates ask for)")  # fmt: skip
-    if OPEN in getattr(tokenizer, "all_special_tokens", ()):
+                f"({OPEN} JSON or <function=...> markup {CLOSE}, as Qwen's and Hermes' templates ask for, or "
+                "Llama 3's bare JSON)")  # fmt: skip
+    if OPEN in template and OPEN in getattr(tokenizer, "all_special_tokens", ()):
         return f"the served model's tokenizer drops {OPEN} from decoded text (a special token)"
     return None
+
+
+def bare_calls(served: Any) -> bool:
+    """Whether `served`'s template asks for bare JSON calls (Llama 3's) rather than tagged ones."""
+    template = getattr(served.tokenizer, "chat_template", None)
+    return isinstance(template, str) and BARE in template and OPEN not in template
 
 
 def check_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -158,3 +169,51 @@ class ToolCallReader:
             self._after_call = not text
         if text:
             out.append(text)
+
+
+class BareCallReader:
+    """A chat answer read as Llama 3's templates ask a call to be written: the whole answer one
+    JSON object `{"name": ..., "parameters": {...}}`, or several separated by `;`. An answer that
+    starts (after whitespace) with `{` is held until it ends, then read: calls if it is nothing but
+    calls, else content as written; any other answer is content, passed on as it comes. The same
+    interface as `ToolCallReader`."""
+
+    def __init__(self) -> None:
+        self._held, self._holding = "", True
+        self.calls = 0
+
+    def feed(self, text: str) -> list[str | ToolCall]:
+        if not self._holding:
+            return [text] if text else []
+        self._held += text
+        bare = self._held.lstrip()
+        if not bare or bare.startswith("{"):
+            return []
+        self._holding, held, self._held = False, self._held, ""
+        return [held]
+
+    def finish(self) -> list[str | ToolCall]:
+        held, self._held = self._held, ""
+        calls = _bare_calls(held) if held.strip() else None
+        if calls is None:
+            return [held] if held else []
+        self.calls += len(calls)
+        return list(calls)
+
+
+def _bare_calls(text: str) -> list[ToolCall] | None:
+    """The calls `text` holds as JSON objects separated by whitespace or `;`, None if it holds anything else."""
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while True:
+        at = len(text) - len(text[at:].lstrip(" \t\r\n;")) if calls else len(text) - len(text[at:].lstrip())
+        if at == len(text):
+            return calls or None
+        try:
+            _, end = decoder.raw_decode(text, at)
+        except ValueError:
+            return None
+        call = read_call(text[at:end], {})
+        if call is None:
+            return None
+        calls.append(call)
+        at = end
