@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .tags import held_tail
+from .tags import until_tag
 
 THINK, UNTHINK = "<think>", "</think>"
 
@@ -64,14 +64,11 @@ class ReasoningReader:
                     continue
                 self._state = "content"
             if self._state == "inside":
-                at = self._held.find(UNTHINK)
-                if at < 0:
-                    keep = held_tail(self._held, UNTHINK)
-                    self._reason(out, self._held[: len(self._held) - keep])
-                    self._held = self._held[len(self._held) - keep :]
+                ready, self._held, closed = until_tag(self._held, UNTHINK)
+                self._reason(out, ready)
+                if not closed:
                     return out
-                self._reason(out, self._held[:at].rstrip())
-                self._held, self._state = self._held[at + len(UNTHINK) :], "after"
+                self._state = "after"
             if self._state == "after":  # the whitespace after the closing tag is layout
                 self._held = self._held.lstrip()
                 if not self._held:

@@ -22,7 +22,7 @@ from typing import Any
 
 from .api_error import ApiError
 from .call_formats import ToolCall, arguments_object, parameter_types, read_call
-from .tags import held_tail
+from .tags import until_tag
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 #: What Llama 3.1-3.3's chat templates say when they ask for a bare JSON call.
@@ -146,14 +146,10 @@ class ToolCallReader:
                     self.calls += 1
                     self._after_call = True
                 continue
-            at = self._held.find(OPEN)
-            if at < 0:
-                keep = held_tail(self._held, OPEN)
-                self._content(out, self._held[: len(self._held) - keep])
-                self._held = self._held[len(self._held) - keep :]
+            ready, self._held, self._inside = until_tag(self._held, OPEN)
+            self._content(out, ready)
+            if not self._inside:
                 return out
-            self._content(out, self._held[:at].rstrip())
-            self._held, self._inside = self._held[at + len(OPEN) :], True
 
     def finish(self) -> list[str | ToolCall]:
         """What is still held once the answer ended: text (a call never closed stays text)."""
