@@ -245,9 +245,15 @@ def chat(**body) -> object:
     ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools[0].function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "f", "code": "x"}}]}, "tools[0].function"),
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "get_weather"}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather", "x": 1}}},
+     "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "tools": []}}, "tool_choice"),
     ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
     ({"tools": TOOLS, "parallel_tool_calls": False}, "parallel_tool_calls"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": called("Oslo")["tool_calls"]}]}, "messages[0]"),
@@ -280,6 +286,10 @@ def test_tools_and_tool_turns_are_shaped_as_chat_templates_take_them() -> None:
     turns = [{"role": "user", "content": "w?"}, called("Oslo"), {"role": "tool", "content": "ok", "tool_call_id": "c"}]
     assert chat(tools=TOOLS, messages=turns).messages == template_messages(turns)
     assert chat(tools=TOOLS, tool_choice="none").tools is None  # offered, but not to be called: not written
+    assert chat(tools=TOOLS, tool_choice="none").forced_tool is chat(tools=TOOLS).forced_tool is None
+    assert chat(tools=TOOLS, tool_choice="required").forced_tool == ""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert chat(tools=TOOLS, tool_choice=named).forced_tool == "get_weather"
     with pytest.raises(ApiError) as caught:  # a completion has no tools
         completion_params({"prompt": "x", "tools": TOOLS}, "m", Limits())
     assert caught.value.param == "tools"
@@ -435,3 +445,65 @@ def test_a_thinking_model_answers_with_its_reasoning_apart_whole_and_streamed(to
     off = c.chat.completions.create(model="tool-model", messages=turns, temperature=0, max_tokens=4,
                                     extra_body={"chat_template_kwargs": {"enable_thinking": False}})  # fmt: skip
     assert off.usage.prompt_tokens == len(tokenizer.encode(quiet, add_special_tokens=False))
+
+
+#: How each style's template starts a call, written out here: what a forced `tool_choice` must put
+#: at the end of the prompt (a call to any tool, a call to get_weather)
+OPENINGS = {
+    "json": ('<tool_call>\n{"name":', '<tool_call>\n{"name": "get_weather", "arguments":'),
+    "markup": ("<tool_call>\n<function=", "<tool_call>\n<function=get_weather>\n"),
+    "bare": ('{"name":', '{"name": "get_weather", "parameters":'),
+}
+
+
+def test_a_forced_tool_choice_starts_the_answer_with_the_call(tool_server) -> None:
+    """`tool_choice` "required" or a named function: the prompt is the template's rendering and the
+    start of a call as the template writes one (its tokens count as the prompt's), the model goes
+    on from there, and the call it completes comes back as `tool_calls`, whole, streamed and
+    through the Responses API; a call it does not complete is content, the forced start included.
+    A thinking model's forced answer skips its reasoning (an empty block, closed in the prompt)."""
+    from transformers import AutoTokenizer
+
+    process, where, taught = tool_server
+    style = "markup" if len(taught) > 4 else "bare" if "<tool_call>" not in taught[0][2] else "json"
+    c = client(process)
+    tokenizer = AutoTokenizer.from_pretrained(where)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    rome_oslo = [("get_weather", {"city": "Rome"}), ("get_weather", {"city": "Oslo"})]
+    for messages, _, _, _ in taught[:4]:
+        rendered = tokenizer.apply_chat_template(template_messages(messages), tools=TOOLS, tokenize=False,
+                                                 add_generation_prompt=True)  # fmt: skip
+        for choice, opening in zip(("required", named), OPENINGS[style], strict=True):
+            whole = c.chat.completions.create(model="tool-model", messages=messages, tools=TOOLS, temperature=0,
+                                              tool_choice=choice, max_tokens=60)  # fmt: skip
+            assert whole.usage.prompt_tokens == len(tokenizer.encode(rendered + opening, add_special_tokens=False))
+            message = whole.choices[0].message
+            if message.tool_calls is None:  # the model did not complete a call: what it wrote is content
+                assert message.content.startswith(opening) and whole.choices[0].finish_reason != "tool_calls"
+            else:
+                assert whole.choices[0].finish_reason == "tool_calls"
+                assert all(t.function.name == "get_weather" for t in message.tool_calls)
+    # the model was taught these two calls: forced, it writes them from the forced start on
+    messages = taught[1][0]
+    for choice in ("required", named):
+        body = {"model": "tool-model", "messages": messages, "tools": TOOLS, "tool_choice": choice, "temperature": 0,
+                "max_tokens": 80}  # fmt: skip
+        message = c.chat.completions.create(**body).choices[0].message
+        assert [(t.function.name, json.loads(t.function.arguments)) for t in message.tool_calls] == rome_oslo
+        assert message.content is None
+        assert streamed(c, **body) == (None, rome_oslo, "tool_calls")
+    flat = [{"type": "function", **tool["function"]} for tool in TOOLS]
+    answer = c.responses.create(model="tool-model", input=messages, tools=flat, temperature=0, max_output_tokens=80,
+                                tool_choice={"type": "function", "name": "get_weather"})  # fmt: skip
+    assert [(i.name, json.loads(i.arguments)) for i in answer.output if i.type == "function_call"] == rome_oslo
+    if style == "markup":  # a prompt that opens <think>: the forced answer closes it empty first
+        messages = taught[4][0]
+        rendered = tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+        assert opened_in(rendered)
+        whole = c.chat.completions.create(model="tool-model", messages=messages, tools=TOOLS, temperature=0,
+                                          tool_choice=named, max_tokens=30)  # fmt: skip
+        prompt = rendered + "\n" + UNTHINK + "\n\n" + OPENINGS[style][1]
+        assert whole.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
+        assert getattr(whole.choices[0].message, "reasoning_content", None) is None
+        details = whole.usage.completion_tokens_details
+        assert details is None or details.reasoning_tokens == 0

@@ -32,10 +32,10 @@ from ..generation.sampling import Sampling
 from . import responses
 from .completion import Completion, stream, usage, watch, whole
 from .engine import Engine, Request
-from .reasoning import opened_in, reads_reasoning
+from .reasoning import UNTHINK, opened_in, reads_reasoning
 from .schema import ApiError, Limits, Params, chat_params, completion_params, parse_json
 from .served import ServedModel
-from .tools import bare_calls, tools_refused
+from .tools import bare_calls, call_opening, tools_refused
 
 
 def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = None,
@@ -101,7 +101,8 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
                 echo = (original if isinstance(original, str) else served.decode(prompt)) if params.echo else None
                 choices.append(Completion(served, engine, request, params.stop, chat=chat, index=i * params.n + j,
                                           counts_prompt=j == 0, echo=echo, tools=params.tools,
-                                          reasoning=params.reasoning, bare_calls=params.bare_calls))  # fmt: skip
+                                          reasoning=params.reasoning, bare_calls=params.bare_calls,
+                                          opening=params.opening))  # fmt: skip
                 metrics.prompt_tokens.inc(len(prompt))
                 engine.submit(request)
         return choices
@@ -132,9 +133,13 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
             except KVCacheError as err:
                 raise ApiError(400, str(err), param="chat_template_kwargs" if served.kind == "bundled" else "messages"
                                ) from None  # fmt: skip
-            params.prompts = [prompt]
             params.reasoning = opened_in(prompt) if reads_reasoning(served) else None
             params.bare_calls = params.tools is not None and bare_calls(served)
+            if params.forced_tool is not None:  # the answer starts with the call: no reasoning (an empty thought)
+                params.opening = call_opening(served, params.forced_tool)
+                prompt += ("\n" + UNTHINK + "\n\n" if params.reasoning else "") + params.opening
+                params.reasoning = None
+            params.prompts = [prompt]
         return params
 
     async def generate(http: HttpRequest, chat: bool) -> Response:

@@ -52,8 +52,11 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     chat["messages"] = _messages(body.get("input"), body.get("instructions"))
     if body.get("tools") is not None:
         chat["tools"] = _tools(body["tools"])
-    if body.get("tool_choice") is not None:
-        chat["tool_choice"] = body["tool_choice"]
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "function" and set(choice) == {"type", "name"}:
+        choice = {"type": "function", "function": {"name": choice["name"]}}  # the Responses API's form, flat
+    if choice is not None:
+        chat["tool_choice"] = choice
     return chat
 
 

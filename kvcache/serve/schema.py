@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .api_error import ApiError
-from .tools import assistant_calls, check_tools
+from .tools import assistant_calls, check_tools, forced_tool
 
 __all__ = ["ApiError", "Limits", "Params", "chat_params", "completion_params", "parse_json"]
 
@@ -81,6 +81,8 @@ class Params:
     template_options: dict[str, Any] = field(default_factory=dict)  # a chat's `chat_template_kwargs`
     reasoning: bool | None = None  # a chat's answer read for reasoning (True: it starts thinking); None: not
     bare_calls: bool = False  # a chat's calls are written as Llama 3's bare JSON (`tools.BareCallReader`)
+    forced_tool: str | None = None  # a chat's forced `tool_choice`: None (the model chooses), "" (any tool), a name
+    opening: str = ""  # what the chat's prompt ends with of its answer (a forced call's start: `tools.call_opening`)
     logprobs: int | None = None  # None: no log probabilities; k: the chosen token's and the top k
     n: int = 1
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, added to the logits
@@ -259,6 +261,7 @@ def _token_ids(value: Any) -> bool:
 def chat_params(body: dict[str, Any], model: str, limits: Limits) -> Params:
     params = _common(body, CHAT_FIELDS, model, limits, "max_completion_tokens", implemented=TOOL_FIELDS)
     params.tools = check_tools(body)
+    params.forced_tool = forced_tool(body, params.tools)
     wanted, top = body.get("logprobs"), body.get("top_logprobs")
     if wanted is not None and not isinstance(wanted, bool):
         raise ApiError(400, f"logprobs must be a boolean, got {wanted!r}", param="logprobs")

@@ -9,7 +9,9 @@ one `<parameter=...>` per argument (Qwen 3.5, Qwen3-Coder; its values typed by t
 schema: `call_formats`). Llama 3.1-3.3's templates ask instead for an answer that is nothing but
 a JSON object `{"name": ..., "parameters": {...}}` (no tags; `BareCallReader`). A model is served
 with tools when its chat template writes the tools and asks for one of these; other models refuse
-`tools` with a 400 rather than answer with calls no one reads. Text between tagged calls is the
+`tools` with a 400 rather than answer with calls no one reads. A forced `tool_choice` ("required",
+a named function) puts the start of a call at the end of the prompt (`call_opening`), read as the
+answer's start: the model writes the rest. Text between tagged calls is the
 message's content (whitespace next to a call is the template's layout, not content); a region
 that does not hold a call, or that the answer ended inside, stays content, as the model wrote it.
 """
@@ -56,18 +58,13 @@ def bare_calls(served: Any) -> bool:
 
 def check_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     """The request's `tools` as the chat template takes them (OpenAI's function tools), or None when
-    it offers none or `tool_choice` is "none". `tool_choice` "auto" (the default) lets the model
-    choose; a forced choice ("required", a named function) is refused: nothing here makes a model
-    call a tool."""
+    it offers none or `tool_choice` is "none" (`forced_tool` reads a forced choice)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
-    if choice not in (None, "none", "auto"):
-        raise ApiError(400, f"tool_choice={choice!r} is not supported by this server (only \"auto\" or \"none\")",
-                       param="tool_choice")  # fmt: skip
     if body.get("parallel_tool_calls") not in (None, True):
         raise ApiError(400, "parallel_tool_calls=false is not supported by this server", param="parallel_tool_calls")
     if tools is None or tools == []:
-        if choice == "auto":
-            raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+        if choice not in (None, "none"):
+            raise ApiError(400, f"tool_choice={choice!r} needs tools", param="tool_choice")
         return None
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
         raise ApiError(400, f"tools must be a list of at most {MAX_TOOLS} tools", param="tools")
@@ -91,7 +88,39 @@ def check_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
             raise ApiError(400, f"tools[{i}].function.parameters must be a JSON Schema object",
                            param=f"tools[{i}].function.parameters")  # fmt: skip
         shaped.append({"type": "function", "function": {k: v for k, v in function.items() if k != "strict"}})
+    forced_tool(body, shaped)
     return None if choice == "none" else shaped
+
+
+def forced_tool(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> str | None:
+    """What `tool_choice` forces: None (the model chooses: "auto", the default, or "none"), "" (a
+    call to any tool: "required") or the name of the function to call (`{"type": "function",
+    "function": {"name": ...}}`, a tool of `tools`)."""
+    choice = body.get("tool_choice")
+    if choice in (None, "auto", "none"):
+        return None
+    if choice == "required":
+        return ""
+    function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str) or set(choice) != {"type", "function"} or set(function) != {"name"}:  # type: ignore[arg-type]
+        raise ApiError(400, 'tool_choice must be "auto", "none", "required" or {"type": "function", "function": '
+                       f'{{"name": ...}}}}, got {choice!r}'[:300], param="tool_choice")  # fmt: skip
+    if name not in [tool["function"]["name"] for tool in tools or []]:
+        raise ApiError(400, f"tool_choice names {name!r}, which is not one of the tools", param="tool_choice")
+    return name
+
+
+def call_opening(served: Any, name: str) -> str:
+    """The start of a call to `name` ("": to a tool the model picks) as `served`'s template writes
+    one: what a forced `tool_choice` puts at the start of the answer, so that the model goes on
+    with the call (a Qwen/Hermes JSON call, Qwen 3.5's markup or Llama 3's bare JSON). It stops
+    before a space or the name's end, where the model's own tokens may join what follows."""
+    if bare_calls(served):
+        return '{"name":' + (f' {json.dumps(name)}, "parameters":' if name else "")
+    if "<function=" in str(getattr(served.tokenizer, "chat_template", "")):
+        return f"{OPEN}\n<function=" + (f"{name}>\n" if name else "")
+    return f'{OPEN}\n{{"name":' + (f' {json.dumps(name)}, "arguments":' if name else "")
 
 
 def assistant_calls(i: int, calls: Any) -> list[dict[str, Any]]:
