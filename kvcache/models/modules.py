@@ -84,6 +84,25 @@ def check_layer_types(name: str, layer_types: list[str], allowed: tuple[str, ...
         raise CacheInputError(f"sliding layers need a positive sliding_window, got {sliding_window!r}")
 
 
+def new_tokens_real(attention_mask: torch.Tensor | None, length: int,
+                    masks: dict[tuple, Any] | None) -> torch.Tensor | None:  # fmt: skip
+    """Which of a forward's `length` new tokens are real, not padding (`[batch, 1, length, 1]`,
+    from `attention_mask`), or None where all are: no mask, or every new token real as read on
+    the host (a decode step of a padded batch; on an accelerator the mask is kept rather than have
+    the host wait). Shared by the layers of one forward (`masks`)."""
+    if attention_mask is None or attention_mask.shape[1] < length:
+        return None
+    key = ("real", id(attention_mask), length)
+    if masks is not None and key in masks:
+        return masks[key]
+    real: torch.Tensor | None = attention_mask[:, None, -length:, None].bool()
+    if attention_mask.device.type == "cpu" and not torch.compiler.is_compiling() and bool(real.all()):  # type: ignore[union-attr]
+        real = None
+    if masks is not None:
+        masks[key] = real
+    return real
+
+
 def check_inputs(
     input_ids: torch.Tensor,
     vocab_size: int,
@@ -256,11 +275,11 @@ class SelfAttention(nn.Module):
             return self.o_proj(attend(q, k, v, bias).transpose(1, 2).reshape(batch, length, -1))
         else:
             kv_length, kv_offset = cache.get_mask_sizes(length, self.layer_idx)
-            if attention_mask is not None and attention_mask.shape[1] >= length:
+            real = new_tokens_real(attention_mask, length, masks)
+            if real is not None:
                 # padding's keys/values are held as zeros: attention never reads them, but a
                 # quantized block's scales would, and whatever a padding slot computed (it
                 # differs with the forward's width) must not reach the real tokens sharing it
-                real = attention_mask[:, None, -length:, None].bool()
                 k, v = torch.where(real, k, 0.0), torch.where(real, v, 0.0)
             k, v = cache.update(k, v, self.layer_idx)
             if k.shape[2] != kv_length:
