@@ -72,7 +72,7 @@ def test_neutral_values_are_accepted_and_others_refused(server, alone) -> None:
                                      temperature=0, logprobs=False, response_format={"type": "text"},
                                      presence_penalty=0.0, n=1)  # fmt: skip
     assert chat.choices[0].message.content == want
-    for extra, words in (({"logprobs": 1}, "logprobs"), ({"response_format": {"type": "json_object"}}, "response"),
+    for extra, words in (({"logprobs": 1}, "logprobs"), ({"response_format": {"type": "json"}}, "response_format"),
                          ({"n": True}, "n must be an integer")):  # fmt: skip
         body = {"messages": [{"role": "user", "content": "Hi"}], **extra}
         answer = post(server, "/v1/chat/completions", json.dumps(body).encode())

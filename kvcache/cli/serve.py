@@ -4,6 +4,7 @@ OpenAI-compatible HTTP API on 127.0.0.1 (docs/serve.md)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from pathlib import Path
@@ -170,6 +171,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, Any]:
     from ..devices import resolve_device
     from ..generation import SuffixCorpus
     from ..serve.engine import Engine
+    from ..serve.grammar import grammar_tokenizer
     from ..serve.speculation import can_speculate
     from ..store import PrefixStore, open_store
     from .generate import store_key
@@ -190,7 +192,8 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, Any]:
     try:
         engine = Engine(served.model, store, eos=served.eos, speculative=speculative, draft_model=draft_model,
                         draft_rows=draft_rows, suffix_corpus=corpus, max_batch=args.max_batch,
-                        max_step_tokens=args.max_step_tokens)  # fmt: skip
+                        max_step_tokens=args.max_step_tokens,
+                        grammar_tokenizer=functools.partial(grammar_tokenizer, served))  # fmt: skip
     except BaseException:
         store.close()
         raise

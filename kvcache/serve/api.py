@@ -96,7 +96,7 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
             for j in range(params.n):
                 seed = None if params.seed is None else (params.seed + j + 2**63) % 2**64 - 2**63
                 request = Request(prompt=prompt, max_tokens=params.max_tokens, sampling=sampling, seed=seed,
-                                  logprobs=params.logprobs,
+                                  logprobs=params.logprobs, grammar=params.grammar,
                                   prompt_logprobs=params.logprobs if params.echo else None)  # fmt: skip
                 echo = (original if isinstance(original, str) else served.decode(prompt)) if params.echo else None
                 choices.append(Completion(served, engine, request, params.stop, chat=chat, index=i * params.n + j,
@@ -135,8 +135,9 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
                                ) from None  # fmt: skip
             params.reasoning = opened_in(prompt) if reads_reasoning(served) else None
             params.bare_calls = params.tools is not None and bare_calls(served)
-            if params.forced_tool is not None:  # the answer starts with the call: no reasoning (an empty thought)
-                params.opening = call_opening(served, params.forced_tool)
+            if params.forced_tool is not None or params.grammar is not None:
+                # the answer starts with the call, or is held to a format: no reasoning (an empty thought)
+                params.opening = "" if params.forced_tool is None else call_opening(served, params.forced_tool)
                 prompt += ("\n" + UNTHINK + "\n\n" if params.reasoning else "") + params.opening
                 params.reasoning = None
             params.prompts = [prompt]

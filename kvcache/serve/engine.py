@@ -42,6 +42,7 @@ from ..store.payloads import model_module, storable
 from . import prefill
 from . import rows as batch_rows
 from .events import BatchedSink
+from .grammar import Constraint
 from .logprobs import token_logprobs
 from .metrics import Metrics
 from .request import Request
@@ -63,7 +64,8 @@ class Engine:
                  speculative: int = 0, max_batch: int = MAX_BATCH,
                  max_step_tokens: int = MAX_STEP_TOKENS, draft_model: Any = None,
                  suffix_corpus: Any = None, draft_schedule: str = "adaptive",
-                 draft_rows: int | None = None) -> None:  # fmt: skip
+                 draft_rows: int | None = None,
+                 grammar_tokenizer: Callable[[], Any] | None = None) -> None:  # fmt: skip
         """`speculative`: draft tokens per row and step (0: none), by prompt lookup, by
         `draft_model` (a model of the same vocabulary; each row drafts with a cache of its own), or
         from `suffix_corpus` (a `SuffixCorpus` every finished request's prompt and answer feeds,
@@ -72,7 +74,8 @@ class Engine:
         "constant" (every offered draft fed whole, as a draft model's always are). Under the
         adaptive schedule a step drafts only while the batch holds at most `draft_rows` rows (None:
         any number; 1 whatever the schedule for a model that cannot mask rows of different lengths,
-        `ragged_refusal`)."""
+        `ragged_refusal`). `grammar_tokenizer`: the served tokenizer as llguidance takes it
+        (`grammar.grammar_tokenizer`, made at the first request with a grammar)."""
         if isinstance(speculative, bool) or not isinstance(speculative, int) or speculative < 0:
             raise CacheInputError(f"speculative must be an int >= 0 (draft tokens per row and step), got "
                                   f"{speculative!r}")
@@ -87,6 +90,7 @@ class Engine:
                                   f"served model's ({int(model.vocab_size)})")  # fmt: skip
         self.model, self.store, self.eos, self.draft_model = model, store, frozenset(eos), draft_model
         self.suffix_corpus = suffix_corpus
+        self._grammar_tokenizer, self._grammar_tokens = grammar_tokenizer, None
         #: how many draft tokens the batch feeds (drafters that say their match: not a draft model)
         adaptive = speculative and draft_model is None and draft_schedule == "adaptive"
         #: the model leaves a forward's fillers out (`tokens_per_row`): verify forwards and grouped rests
@@ -237,12 +241,25 @@ class Engine:
         if request.cancelled:
             self._finish(request, "cancelled")
             return
+        if request.grammar is not None:
+            try:
+                request.constraint = Constraint(self._grammar(), request.grammar, int(self.model.vocab_size))
+            except Exception as exc:  # an engine without structured outputs, a grammar llguidance refuses
+                self._fail(request, exc)
+                return
         if self.speculative:
             request.drafter = self._new_drafter()
             request.drafter.start(request.prompt, device=self.device)
         self._emit(request, self._choose(request, logits), logits)
         if request.finish_reason is None:
             self._ready.append(request)
+
+    def _grammar(self) -> Any:
+        if self._grammar_tokens is None:
+            if self._grammar_tokenizer is None:
+                raise CacheInputError("this engine was built without structured outputs (no grammar tokenizer)")
+            self._grammar_tokens = self._grammar_tokenizer()
+        return self._grammar_tokens
 
     def _new_drafter(self) -> Drafter:
         if self.draft_model is not None:
@@ -285,7 +302,7 @@ class Engine:
         ids = torch.tensor([[r.pending] for r in rows], dtype=torch.long, device=self.device)
         logits = self.model(ids, cache=cache, **self.row_inputs(1))[:, -1]
         # every greedy row's token from one argmax and one host transfer (what `_choose` picks per row)
-        plain = [r.sampling.argmax_only for r in rows]  # rows whose token is the argmax
+        plain = [r.sampling.argmax_only and r.constraint is None for r in rows]  # rows whose token is the argmax
         greedy = logits.float().argmax(-1).tolist() if any(plain) else []
         keep = []
         for b, request in enumerate(rows):
@@ -318,6 +335,8 @@ class Engine:
 
     # ---------------------------------------------------------------------------- tokens
     def _choose(self, request: Request, logits: torch.Tensor) -> int:
+        if request.constraint is not None:  # only the tokens its grammar allows next
+            logits = request.constraint.mask(logits)
         scores = request.sampling.scores(logits, request.counts)
         if not request.sampling.do_sample:
             return int(scores.argmax(-1))
@@ -339,7 +358,9 @@ class Engine:
         self.metrics.generated_tokens.inc()
         asked = request.logprobs is not None and scores is not None
         self._send(request, ("token", token_logprobs(scores, token, request.logprobs) if asked else token))
-        if token in self.eos or token in request.stop_ids:
+        if request.constraint is not None:
+            request.constraint.accept(token)
+        if token in self.eos or token in request.stop_ids or (request.constraint and request.constraint.done):
             self._finish(request, "stop")
         elif len(request.tokens) >= request.max_tokens:
             self._finish(request, "length")

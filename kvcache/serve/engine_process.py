@@ -266,7 +266,7 @@ def _on_thread_of(loop: asyncio.AbstractEventLoop) -> bool:
 def _fields(request: Request) -> dict[str, Any]:
     return {"prompt": request.prompt, "max_tokens": request.max_tokens, "sampling": request.sampling,
             "seed": request.seed, "stop_ids": request.stop_ids, "logprobs": request.logprobs,
-            "prompt_logprobs": request.prompt_logprobs}  # fmt: skip
+            "prompt_logprobs": request.prompt_logprobs, "grammar": request.grammar}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ the child

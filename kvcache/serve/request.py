@@ -26,6 +26,7 @@ class Request:
     stop_ids: frozenset[int] = frozenset()
     logprobs: int | None = None  # tokens come with their log probabilities and this many alternatives
     prompt_logprobs: int | None = None  # the prompt's, first (a "prompt" event), with this many alternatives
+    grammar: str | None = None  # the answer is held to this llguidance grammar (`grammar.grammar_of`)
     id: str = ""
     on_event: Callable[[tuple[str, Any]], None] = lambda event: None
     created: float = field(default_factory=time.monotonic)
@@ -41,6 +42,7 @@ class Request:
     pending: int | None = None  # the token to feed at the next decode step
     counts: torch.Tensor | None = None  # how often each token was generated (`[vocab]`), for penalties
     drafter: Drafter | None = None
+    constraint: Any = None  # its `grammar.Constraint`, when it has a grammar
     rows: list | None = None  # prefilled with other newcomers: its row of their batch (`rows.stack` takes it)
     alone: bool = False  # its group's forward failed: prefilled alone from now on
     scored: bool = False  # its prompt's log probabilities were sent (or not asked for)

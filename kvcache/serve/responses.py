@@ -44,20 +44,32 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     if body.get("previous_response_id") is not None:
         raise ApiError(400, "this server keeps no responses: send the conversation as input instead of "
                        "previous_response_id", param="previous_response_id")  # fmt: skip
-    if body.get("text") not in (None, REPORTED["text"]) or body.get("truncation") not in (None, "disabled"):
-        name = "text" if body.get("text") not in (None, REPORTED["text"]) else "truncation"
-        raise ApiError(400, f"{name}={body[name]!r} is not supported by this server", param=name)
+    if body.get("truncation") not in (None, "disabled"):
+        raise ApiError(400, f"truncation={body['truncation']!r} is not supported by this server", param="truncation")
     chat = {key: value for key, value in body.items() if key in PASSED}
     chat.update({RENAMED[key]: value for key, value in body.items() if key in RENAMED})
     chat["messages"] = _messages(body.get("input"), body.get("instructions"))
     if body.get("tools") is not None:
         chat["tools"] = _tools(body["tools"])
+    if body.get("text") is not None:
+        chat["response_format"] = _response_format(body["text"])
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") == "function" and set(choice) == {"type", "name"}:
         choice = {"type": "function", "function": {"name": choice["name"]}}  # the Responses API's form, flat
     if choice is not None:
         chat["tool_choice"] = choice
     return chat
+
+
+def _response_format(text: Any) -> dict[str, Any]:
+    """The chat's `response_format` for a Responses `text` (`{"format": {"type": "json_schema",
+    "name", "schema", ...}}` flat, where the chat nests the schema under `json_schema`)."""
+    form = text.get("format") if isinstance(text, dict) and set(text) <= {"format", "verbosity"} else None
+    if not isinstance(form, dict) or text.get("verbosity") not in (None, "medium"):
+        raise ApiError(400, f'text must be {{"format": {{"type": ...}}}}, got {text!r}'[:300], param="text")
+    if form.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: v for k, v in form.items() if k != "type"}}
+    return form
 
 
 def _messages(given: Any, instructions: Any) -> list[dict[str, Any]]:
@@ -126,6 +138,9 @@ def renamed(err: ApiError) -> ApiError:
         err.param, err.message = "input", err.message.replace("messages", "input (as messages)")
     elif param == "max_completion_tokens":
         err.param, err.message = "max_output_tokens", err.message.replace("max_completion_tokens", "max_output_tokens")
+    elif param.startswith("response_format"):
+        err.param, err.message = "text", err.message.replace("response_format.json_schema", "text.format")
+        err.message = err.message.replace("response_format", "text")
     elif param.startswith("tools[") and ".function" in param:
         err.param = param.replace(".function", "")
         err.message = err.message.replace(".function", "")

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .api_error import ApiError
+from .grammar import grammar_of
 from .tools import assistant_calls, check_tools, forced_tool
 
 __all__ = ["ApiError", "Limits", "Params", "chat_params", "completion_params", "parse_json"]
@@ -29,8 +30,8 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (1,), "echo": (False,), "suffix": (None, ""),
     "tools": (None, []), "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
     "parallel_tool_calls": (None,)}  # fmt: skip
-#: Of those, the ones a chat completion implements (`tools`).
-TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
+#: Of those, the ones a chat completion implements (`tools`, `response_format`).
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "response_format")
 #: Fields accepted and ignored (they change nothing here).
 IGNORED = {"user", "metadata", "store", "service_tier"}
 #: Temperatures above 0 and below this decode greedily (dividing logits by less overflows them).
@@ -83,6 +84,7 @@ class Params:
     bare_calls: bool = False  # a chat's calls are written as Llama 3's bare JSON (`tools.BareCallReader`)
     forced_tool: str | None = None  # a chat's forced `tool_choice`: None (the model chooses), "" (any tool), a name
     opening: str = ""  # what the chat's prompt ends with of its answer (a forced call's start: `tools.call_opening`)
+    grammar: str | None = None  # a chat's `response_format` as a grammar its answer is held to (`grammar.grammar_of`)
     logprobs: int | None = None  # None: no log probabilities; k: the chosen token's and the top k
     n: int = 1
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, added to the logits
@@ -262,6 +264,10 @@ def chat_params(body: dict[str, Any], model: str, limits: Limits) -> Params:
     params = _common(body, CHAT_FIELDS, model, limits, "max_completion_tokens", implemented=TOOL_FIELDS)
     params.tools = check_tools(body)
     params.forced_tool = forced_tool(body, params.tools)
+    params.grammar = grammar_of(body.get("response_format"))
+    if params.grammar is not None and params.tools is not None:
+        raise ApiError(400, "response_format with tools is not supported: an answer held to a format cannot call "
+                       "tools (send tool_choice \"none\" or no tools)", param="response_format")  # fmt: skip
     wanted, top = body.get("logprobs"), body.get("top_logprobs")
     if wanted is not None and not isinstance(wanted, bool):
         raise ApiError(400, f"logprobs must be a boolean, got {wanted!r}", param="logprobs")

@@ -58,6 +58,7 @@ def speculative_step(engine: Any) -> None:
         shadows, first = gate.shadow_rows(len(rows)), engine.shadow_turn
         engine.shadow_turn = first + shadows
         asked = [min(most, int((b - first) % len(rows) < shadows)) for b, most in enumerate(asked)]
+    asked = [0 if r.constraint is not None else most for r, most in zip(rows, asked, strict=True)]  # never drafts
     offered, verifiers = [], []
     for request, most in zip(rows, asked, strict=True):
         to_boundary = engine.draft_step - request.session.length % engine.draft_step
@@ -85,7 +86,8 @@ def speculative_step(engine: Any) -> None:
     packing = {"tokens_per_row": counts} if packed else {}
     logits = engine.model(ids, cache=cache, **engine.row_inputs(width), **packing)
     choices = logits.argmax(-1).tolist()  # every greedy row's choices in one host transfer
-    verdicts = [_greedy(draft, choices[b]) if verifier.sampling.argmax_only
+    verdicts = [(0, [engine._choose(rows[b], logits[b, :1])]) if rows[b].constraint is not None  # (no draft)
+                else _greedy(draft, choices[b]) if verifier.sampling.argmax_only
                 else verifier.verify(draft, logits[b, : len(draft.tokens) + 1], rows[b].counts)
                 for b, (verifier, draft) in enumerate(zip(verifiers, drafts, strict=True))]  # fmt: skip
     if width > 1:

@@ -1,0 +1,135 @@
+"""Structured outputs: a chat answer held to JSON (`response_format: {"type": "json_object"}`) or
+to a JSON Schema (`{"type": "json_schema", "json_schema": {"schema": ...}}`), token by token.
+
+The grammar engine is llguidance (the one vLLM, SGLang and llama.cpp use for this; a Rust
+library with no Python dependencies): from the grammar's state it says which tokens may come
+next, and the engine sets every other token's logit to -inf before it chooses, greedy or sampled.
+Writing our own would mean a JSON Schema compiler and a tokenizer-aware lexer, with their bugs.
+The web side turns `response_format` into a grammar (checked there: a bad schema is a 400 before
+anything is queued); the engine keeps one `Constraint` per constrained answer, and the answer
+ends ("stop") where the grammar allows nothing more. Constrained rows never draft (a draft would
+have to be checked against the grammar token by token).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import CacheInputError
+from .api_error import ApiError
+
+INSTALL = "pip install 'kvcache[serve]'"
+#: The whitespace allowed between JSON tokens: any layout a model writes (indented objects nested
+#: a dozen levels deep), but not the endless run of blanks a weak model falls into once JSON's
+#: grammar lets it (a known failure of unbounded whitespace under constrained decoding).
+WHITESPACE = r"[\x20\x0A\x0D\x09]{0,48}"
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+    except ImportError:
+        return None
+    return llguidance
+
+
+def grammar_of(response_format: Any, param: str = "response_format") -> str | None:
+    """The grammar a chat's `response_format` asks for: None for text (absent, or `{"type":
+    "text"}`); a 400 naming `param` for anything that is not a format this server holds answers to."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text" and set(response_format) == {"type"}:
+        return None
+    if kind == "json_object" and set(response_format) == {"type"}:
+        schema: Any = {"type": "object"}
+    elif kind == "json_schema" and set(response_format) == {"type", "json_schema"}:
+        schema = _schema(response_format["json_schema"], f"{param}.json_schema")
+    else:
+        raise ApiError(400, f'{param} must be {{"type": "text"}}, {{"type": "json_object"}} or {{"type": '
+                       f'"json_schema", "json_schema": {{"name": ..., "schema": {{...}}}}}}, got '
+                       f"{response_format!r}"[:300], param=param)  # fmt: skip
+    llguidance = _llguidance()
+    if llguidance is None:
+        raise ApiError(400, f"{param} needs llguidance, which is not installed: {INSTALL}", param=param)
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_pattern": WHITESPACE})
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise ApiError(400, f"{param}: the schema cannot be followed: {error}"[:400], param=param)
+    return grammar
+
+
+def _schema(about: Any, param: str) -> dict[str, Any]:
+    """A `json_schema` object's schema (OpenAI's shape: `name`, `schema`, optional `description`
+    and `strict`)."""
+    if not isinstance(about, dict) or not isinstance(about.get("name"), str) or not about["name"]:
+        raise ApiError(400, f"{param} must be an object with a name", param=param)
+    unknown = sorted(set(about) - {"name", "schema", "description", "strict"})
+    if unknown:
+        raise ApiError(400, f"{param} has unknown field(s): {', '.join(unknown)}", param=param)
+    if about.get("strict") not in (None, True, False):
+        raise ApiError(400, f"{param}.strict must be a boolean", param=f"{param}.strict")
+    schema = about.get("schema", {})  # (OpenAI: no schema allows any JSON)
+    if not isinstance(schema, dict):
+        raise ApiError(400, f"{param}.schema must be a JSON Schema object", param=f"{param}.schema")
+    return schema
+
+
+def grammar_tokenizer(served: Any) -> Any:
+    """llguidance's view of `served`'s tokenizer (each token's bytes, its end tokens): a
+    transformers fast tokenizer as it is; the bundled model's characters one per token, with one
+    end token past its vocabulary (it has none: an answer ends where its grammar ends)."""
+    llguidance = _llguidance()
+    if llguidance is None:
+        raise CacheInputError(f"structured outputs need llguidance: {INSTALL}")
+    if served.kind == "bundled":
+        tokenizer, vocab = served.tokenizer, int(served.model.vocab_size)
+        end = vocab
+
+        class Characters:
+            eos_token_id, bos_token_id, special_token_ids = end, None, [end]
+            tokens = [tokenizer.decode([i]).encode() for i in range(vocab)] + [b""]
+
+            def __call__(self, text: bytes | str) -> list[int]:
+                return tokenizer.encode(text.decode(errors="replace") if isinstance(text, bytes) else text)
+
+        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Characters()), n_vocab=vocab + 1)
+    import llguidance.hf
+
+    return llguidance.hf.from_tokenizer(served.tokenizer, eos_token=list(served.eos) or None)
+
+
+class Constraint:
+    """One answer's grammar state over a model of `vocab` tokens: `mask` the logits of the next
+    token, `accept` the token chosen; `done` once the grammar allows nothing more."""
+
+    def __init__(self, tokenizer: Any, grammar: str, vocab: int) -> None:
+        llguidance = _llguidance()
+        self.matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if self.matcher.is_error():
+            raise CacheInputError(f"response_format: {self.matcher.get_error()}")
+        self.vocab = vocab
+        self._next()
+
+    def _next(self) -> None:
+        """The tokens that may come next (the model's vocabulary: tokens the tokenizer does not
+        know never may), and whether any may."""
+        bias = torch.frombuffer(bytearray(self.matcher.compute_logit_bias()), dtype=torch.uint8)
+        allowed = torch.zeros(self.vocab, dtype=torch.bool)
+        known = min(self.vocab, bias.numel())
+        allowed[:known] = bias[:known] > 0
+        self.allowed = allowed
+        self.done = self.matcher.is_stopped() or not bool(allowed.any())
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` (`[..., vocab]`) with every token the grammar does not allow next at -inf."""
+        return logits.masked_fill(~self.allowed.to(logits.device), float("-inf"))
+
+    def accept(self, token: int) -> None:
+        """The answer's next token (one `mask` allowed)."""
+        if not self.matcher.consume_token(token):
+            raise CacheInputError(f"response_format: token {token} does not follow the grammar: "
+                                  f"{self.matcher.get_error()}"[:300])  # fmt: skip
+        self._next()
