@@ -459,9 +459,12 @@ OPENINGS = {
 def test_a_forced_tool_choice_starts_the_answer_with_the_call(tool_server) -> None:
     """`tool_choice` "required" or a named function: the prompt is the template's rendering and the
     start of a call as the template writes one (its tokens count as the prompt's), the model goes
-    on from there, and the call it completes comes back as `tool_calls`, whole, streamed and
-    through the Responses API; a call it does not complete is content, the forced start included.
-    A thinking model's forced answer skips its reasoning (an empty block, closed in the prompt)."""
+    on from there, and the call comes back as `tool_calls`, whole, streamed and through the
+    Responses API. Where the call is JSON, its rest is held to the tool's schema (one call whose
+    arguments follow the schema, whatever the model would write: the tiny model was never taught
+    to call for a greeting); markup calls are the model's own, and one it does not complete is
+    content, the forced start included. A thinking model's forced answer skips its reasoning (an
+    empty block, closed in the prompt)."""
     from transformers import AutoTokenizer
 
     process, where, taught = tool_server
@@ -477,25 +480,30 @@ def test_a_forced_tool_choice_starts_the_answer_with_the_call(tool_server) -> No
             whole = c.chat.completions.create(model="tool-model", messages=messages, tools=TOOLS, temperature=0,
                                               tool_choice=choice, max_tokens=60)  # fmt: skip
             assert whole.usage.prompt_tokens == len(tokenizer.encode(rendered + opening, add_special_tokens=False))
-            message = whole.choices[0].message
+            message, finish = whole.choices[0].message, whole.choices[0].finish_reason
             if message.tool_calls is None:  # the model did not complete a call: what it wrote is content
-                assert message.content.startswith(opening) and whole.choices[0].finish_reason != "tool_calls"
+                assert message.content.startswith(opening) and finish != "tool_calls"
+                assert style == "markup" or finish == "length"  # (a held call ends only with its object)
             else:
-                assert whole.choices[0].finish_reason == "tool_calls"
+                assert finish == "tool_calls" and message.content is None
                 assert all(t.function.name == "get_weather" for t in message.tool_calls)
-    # the model was taught these two calls: forced, it writes them from the forced start on
-    messages = taught[1][0]
+                if style != "markup":  # held to the schema: one call, a string city
+                    (call,) = message.tool_calls
+                    assert isinstance(json.loads(call.function.arguments)["city"], str)
+    # the model was taught these two calls: forced, it writes them from the forced start on (the
+    # first alone where the call is held to its schema)
+    messages, expected = taught[1][0], rome_oslo if style == "markup" else rome_oslo[:1]
     for choice in ("required", named):
         body = {"model": "tool-model", "messages": messages, "tools": TOOLS, "tool_choice": choice, "temperature": 0,
                 "max_tokens": 80}  # fmt: skip
         message = c.chat.completions.create(**body).choices[0].message
-        assert [(t.function.name, json.loads(t.function.arguments)) for t in message.tool_calls] == rome_oslo
+        assert [(t.function.name, json.loads(t.function.arguments)) for t in message.tool_calls] == expected
         assert message.content is None
-        assert streamed(c, **body) == (None, rome_oslo, "tool_calls")
+        assert streamed(c, **body) == (None, expected, "tool_calls")
     flat = [{"type": "function", **tool["function"]} for tool in TOOLS]
     answer = c.responses.create(model="tool-model", input=messages, tools=flat, temperature=0, max_output_tokens=80,
                                 tool_choice={"type": "function", "name": "get_weather"})  # fmt: skip
-    assert [(i.name, json.loads(i.arguments)) for i in answer.output if i.type == "function_call"] == rome_oslo
+    assert [(i.name, json.loads(i.arguments)) for i in answer.output if i.type == "function_call"] == expected
     if style == "markup":  # a prompt that opens <think>: the forced answer closes it empty first
         messages = taught[4][0]
         rendered = tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)

@@ -32,10 +32,11 @@ from ..generation.sampling import Sampling
 from . import responses
 from .completion import Completion, stream, usage, watch, whole
 from .engine import Engine, Request
+from .grammar import call_grammar
 from .reasoning import UNTHINK, opened_in, reads_reasoning
 from .schema import ApiError, Limits, Params, chat_params, completion_params, parse_json
 from .served import ServedModel
-from .tools import bare_calls, call_opening, tools_refused
+from .tools import CLOSE, bare_calls, call_opening, call_style, tools_refused
 
 
 def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = None,
@@ -102,7 +103,7 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
                 choices.append(Completion(served, engine, request, params.stop, chat=chat, index=i * params.n + j,
                                           counts_prompt=j == 0, echo=echo, tools=params.tools,
                                           reasoning=params.reasoning, bare_calls=params.bare_calls,
-                                          opening=params.opening))  # fmt: skip
+                                          opening=params.opening, closing=params.closing))  # fmt: skip
                 metrics.prompt_tokens.inc(len(prompt))
                 engine.submit(request)
         return choices
@@ -137,7 +138,11 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
             params.bare_calls = params.tools is not None and bare_calls(served)
             if params.forced_tool is not None or params.grammar is not None:
                 # the answer starts with the call, or is held to a format: no reasoning (an empty thought)
-                params.opening = "" if params.forced_tool is None else call_opening(served, params.forced_tool)
+                if params.forced_tool is not None:  # (the tools' schemas hold the call's rest, where they can)
+                    style = call_style(served)
+                    params.opening = call_opening(style, params.forced_tool)
+                    params.grammar = call_grammar(style, params.tools or [], params.forced_tool)
+                    params.closing = "\n" + CLOSE if params.grammar is not None and style == "json" else ""
                 prompt += ("\n" + UNTHINK + "\n\n" if params.reasoning else "") + params.opening
                 params.reasoning = None
             params.prompts = [prompt]

@@ -35,12 +35,14 @@ answer is read for `tools` calls (the offered tools, None: none) and for `reason
 read; else whether the prompt left the model thinking, `reasoning.opened_in`); `bare_calls`: the
 model writes calls as Llama 3 does (`tools.BareCallReader`); `opening`: the answer's start that the
 prompt already holds (a forced call's, `tools.call_opening`), read as the answer's but not counted
-as its tokens."""
+as its tokens; `closing`: what the answer's grammar left for the template to write once it ended
+("stop"), read as the answer's end (a forced call's closing tag)."""
 
     def __init__(self, served: ServedModel, engine: Any, request: Request, stops: list[str], *,
                  chat: bool = False, index: int = 0, counts_prompt: bool = True,
                  echo: str | None = None, tools: list[dict[str, Any]] | None = None,
-                 reasoning: bool | None = None, bare_calls: bool = False, opening: str = "") -> None:  # fmt: skip
+                 reasoning: bool | None = None, bare_calls: bool = False, opening: str = "",
+                 closing: str = "") -> None:  # fmt: skip
         self.served, self.engine, self.request, self.stops, self.chat = served, engine, request, stops, chat
         self.index, self.counts_prompt, self.echo = index, counts_prompt, echo
         self.prompt_logprobs: list[TokenLogprobs] | None = None  # the engine's "prompt" event, when asked
@@ -56,12 +58,14 @@ as its tokens."""
         if tools is not None:
             self.calls = BareCallReader() if bare_calls else ToolCallReader(tools)
         self.reasoning = None if reasoning is None else ReasoningReader(reasoning)
-        self._opening = opening  # (read with the first text)
+        self._opening, self._closing = opening, closing  # (read with the first text, and at a grammar's end)
 
     def read(self, text: str, end: bool = False) -> list[str | Reasoning | ToolCall]:
         """A chat answer's next text as what the message shows: content, `Reasoning` and `ToolCall`
         pieces in order (`end`: the answer ended, nothing is held back any more)."""
         text, self._opening = self._opening + text, ""
+        if end and self.finish_reason == "stop":
+            text += self._closing
         parts = [text] if self.reasoning is None else self.reasoning.feed(text)
         if end and self.reasoning is not None:
             parts += self.reasoning.finish()

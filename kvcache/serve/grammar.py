@@ -13,6 +13,7 @@ have to be checked against the grammar token by token).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -59,6 +60,29 @@ def grammar_of(response_format: Any, param: str = "response_format") -> str | No
     if error:
         raise ApiError(400, f"{param}: the schema cannot be followed: {error}"[:400], param=param)
     return grammar
+
+
+def call_grammar(style: str, tools: list[dict[str, Any]], name: str) -> str | None:
+    """The grammar of the rest of a forced call after its opening (`tools.call_opening`): the tool's
+    name where the opening left it out ("required": one of the `tools`), then its arguments as its
+    parameters' JSON Schema says, then the `}` that closes the call's object (the answer ends
+    there: a tagged call's closing tag, often a token of its own, is the template's, added by
+    the reader, `Completion`'s `closing`). None for markup calls (their values are free text), or
+    without llguidance, or for schemas it cannot follow (the call is then the model's alone)."""
+    llguidance = _llguidance()
+    if style not in ("json", "bare") or llguidance is None:
+        return None
+    field, end = "parameters" if style == "bare" else "arguments", "}"
+    rules, choices = [], []
+    for i, tool in enumerate(t for t in tools if not name or t["function"]["name"] == name):
+        schema = {**(tool["function"].get("parameters") or {"type": "object"}),
+                  "x-guidance": {"whitespace_pattern": WHITESPACE}}  # fmt: skip
+        rules.append(f"args{i}: %json {json.dumps(schema)}")
+        head = "" if name else json.dumps(f' {json.dumps(tool["function"]["name"])}, "{field}":') + " "
+        choices.append(f'{head}" " args{i}')
+    lark = "\n".join([f"start: ({' | '.join(choices)}) {json.dumps(end)}", *rules])
+    grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+    return None if llguidance.LLMatcher.validate_grammar(grammar) else grammar
 
 
 def _schema(about: Any, param: str) -> dict[str, Any]:

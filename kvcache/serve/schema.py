@@ -85,6 +85,7 @@ class Params:
     forced_tool: str | None = None  # a chat's forced `tool_choice`: None (the model chooses), "" (any tool), a name
     opening: str = ""  # what the chat's prompt ends with of its answer (a forced call's start: `tools.call_opening`)
     grammar: str | None = None  # a chat's `response_format` as a grammar its answer is held to (`grammar.grammar_of`)
+    closing: str = ""  # what a chat's answer held to a grammar ends with, unwritten (a forced call's closing tag)
     logprobs: int | None = None  # None: no log probabilities; k: the chosen token's and the top k
     n: int = 1
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, added to the logits

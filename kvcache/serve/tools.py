@@ -111,14 +111,21 @@ def forced_tool(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> str
     return name
 
 
-def call_opening(served: Any, name: str) -> str:
-    """The start of a call to `name` ("": to a tool the model picks) as `served`'s template writes
-    one: what a forced `tool_choice` puts at the start of the answer, so that the model goes on
-    with the call (a Qwen/Hermes JSON call, Qwen 3.5's markup or Llama 3's bare JSON). It stops
-    before a space or the name's end, where the model's own tokens may join what follows."""
+def call_style(served: Any) -> str:
+    """How `served`'s template writes a call: "json" (Qwen/Hermes, between tags), "markup" (Qwen 3.5,
+    between tags) or "bare" (Llama 3)."""
     if bare_calls(served):
+        return "bare"
+    return "markup" if "<function=" in str(getattr(served.tokenizer, "chat_template", "")) else "json"
+
+
+def call_opening(style: str, name: str) -> str:
+    """The start of a call to `name` ("": to a tool the model picks) written in `style`: what a
+    forced `tool_choice` puts at the start of the answer, so that the model goes on with the call.
+    It stops before a space or the name's end, where the model's own tokens may join what follows."""
+    if style == "bare":
         return '{"name":' + (f' {json.dumps(name)}, "parameters":' if name else "")
-    if "<function=" in str(getattr(served.tokenizer, "chat_template", "")):
+    if style == "markup":
         return f"{OPEN}\n<function=" + (f"{name}>\n" if name else "")
     return f'{OPEN}\n{{"name":' + (f' {json.dumps(name)}, "arguments":' if name else "")
 
