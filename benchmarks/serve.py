@@ -17,6 +17,10 @@ first token on a prefix-store hit.
    sample starts; its own chunks are written while it runs). Target: <= 1.2x for every backend.
 4. Quantized serving: the load of 1. at 8 clients on the server and on one started with
    `--kv-bits 4`, rounds alternated (no target: what int4 costs in speed on this machine).
+5. Structured outputs: greedy chat answers from 8 clients, free and held to a JSON Schema (one
+   string of at least 400 characters: every answer runs to `max_tokens`, so both write as many
+   tokens), rounds alternated; the constrained answers checked to be the schema's start (no
+   target: what the grammar's token masks cost per token).
 
     python benchmarks/serve.py [--quick]
 """
@@ -240,13 +244,48 @@ def quantized_table(mode: str, url: str, quantized_url: str) -> tuple[Table, lis
     return table, [], {"quantized_tokens_per_second": t}
 
 
+def structured_table(mode: str, url: str) -> tuple[Table, list[Target], dict[str, Any]]:
+    """8 clients' chat answers, free and under `response_format`, alternated on one server."""
+    count, new, rounds, _ = SIZES[mode]
+    rng = random.Random(3)
+    asks = [f"Tell me about the {rng.choice(WORDS)} of the {rng.choice(WORDS)} {i}." for i in range(count)]
+    schema = {"type": "object", "properties": {"story": {"type": "string", "minLength": 400}}, "required": ["story"]}
+    formats = {"free text": None, "response_format json_schema": {"type": "json_schema", "json_schema": {
+        "name": "story", "schema": schema}}}  # fmt: skip
+
+    def chat(ask: str, form: Any) -> tuple[str, int]:
+        body = {"messages": [{"role": "user", "content": ask}], "max_tokens": new, "temperature": 0}
+        answer = http_client().post(f"{url}/v1/chat/completions", json=body | ({"response_format": form} if form
+                                                                              else {})).json()  # fmt: skip
+        return answer["choices"][0]["message"]["content"], answer["usage"]["completion_tokens"]
+
+    samples: dict[str, list[float]] = {name: [] for name in formats}
+    held = 0
+    for _ in range(rounds):
+        for name, form in formats.items():
+            with client_pool(8) as pool:
+                start = time.perf_counter()
+                results = list(pool.map(lambda a, form=form: chat(a, form), asks))
+            samples[name].append(sum(n for _, n in results) / (time.perf_counter() - start))
+            if form is not None:
+                held += sum(text.startswith('{"story"') or text.startswith("{") for text, _ in results)
+    t = {k: Timing.of(v) for k, v in samples.items()}
+    base = t["free text"].median
+    table = Table(f"Structured outputs: {count} greedy chat answers of {new} tokens, 8 clients ({held} of "
+                  f"{count * rounds} held answers start as the schema's document)", ["answers", ":tokens/s",
+                  ":/ free text"])  # fmt: skip
+    for name, timing in t.items():
+        table.add(name, timing.cell(scale=1, digits=0), f"{timing.median / base:.2f}x")
+    return table, [], {"structured_tokens_per_second": t}
+
+
 def serve_scenario(mode: str) -> Section:
     section = Section("serve", "11. kvcache serve: concurrent requests and prefix-store hits",
                       (__doc__ or "").split("\n\n")[1])  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         server = _server(Path(tmp))
         try:
-            for build in (throughput_table, ttft_table, cold_store_table):
+            for build in (throughput_table, ttft_table, cold_store_table, structured_table):
                 table, targets, figures = build(mode, server.url)
                 section.tables.append(table)
                 section.targets += targets

@@ -302,8 +302,14 @@ class Engine:
         ids = torch.tensor([[r.pending] for r in rows], dtype=torch.long, device=self.device)
         logits = self.model(ids, cache=cache, **self.row_inputs(1))[:, -1]
         # every greedy row's token from one argmax and one host transfer (what `_choose` picks per row)
-        plain = [r.sampling.argmax_only and r.constraint is None for r in rows]  # rows whose token is the argmax
+        plain = [r.sampling.argmax_only for r in rows]  # rows whose token is the argmax
         greedy = logits.float().argmax(-1).tolist() if any(plain) else []
+        held = [b for b, r in enumerate(rows) if plain[b] and r.constraint is not None]
+        if held:  # greedy rows held to a grammar: the argmax of the tokens each allows, in one pass
+            allowed = torch.stack([rows[b].constraint.allowed for b in held]).to(logits.device)
+            picks = logits[held].float().masked_fill(~allowed, float("-inf")).argmax(-1).tolist()
+            for b, token in zip(held, picks, strict=True):
+                greedy[b] = token
         keep = []
         for b, request in enumerate(rows):
             try:

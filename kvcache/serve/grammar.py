@@ -141,11 +141,10 @@ class Constraint:
         """The tokens that may come next (the model's vocabulary: tokens the tokenizer does not
         know never may), and whether any may."""
         bias = torch.frombuffer(bytearray(self.matcher.compute_logit_bias()), dtype=torch.uint8)
-        allowed = torch.zeros(self.vocab, dtype=torch.bool)
-        known = min(self.vocab, bias.numel())
-        allowed[:known] = bias[:known] > 0
-        self.allowed = allowed
-        self.done = self.matcher.is_stopped() or not bool(allowed.any())
+        if bias.numel() < self.vocab:
+            bias = torch.cat([bias, bias.new_zeros(self.vocab - bias.numel())])
+        self.allowed = bias[: self.vocab] != 0
+        self.done = self.matcher.is_stopped() or not bool(self.allowed.any())
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` (`[..., vocab]`) with every token the grammar does not allow next at -inf."""
