@@ -216,3 +216,31 @@ def test_a_transformers_tokenizer_is_held_to_the_schema_too(tmp_path_factory) ->
             assert not any(constraint.allowed[end] for end in served.eos if end < vocab)
             constraint.accept(token)
         assert constraint.done
+
+
+def test_the_tokenizer_is_built_once_in_the_background_and_its_failure_raised_where_needed() -> None:
+    from kvcache.errors import CacheInputError
+    from kvcache.serve.grammar import TokenizerInBackground
+
+    calls = []
+    ready = TokenizerInBackground(lambda: calls.append(1) or "tokens")
+    ready.start()
+    assert ready.get() == ready.get() == "tokens" and calls == [1]
+    assert TokenizerInBackground(lambda: "never started").get() == "never started"
+
+    def refuse():
+        raise CacheInputError("structured outputs need llguidance")
+
+    failing = TokenizerInBackground(refuse)
+    failing.start()
+    for _ in range(2):
+        with pytest.raises(CacheInputError, match="llguidance"):
+            failing.get()
+    engine = Engine(bundled().model, PrefixStore(chunk_size=16), eos=[])  # built without structured outputs
+    engine.start()
+    try:
+        request = Request(prompt=[1, 2, 3], max_tokens=4, sampling=Sampling(False), grammar=grammar_of(AS_PERSON))
+        (outcome,) = run_requests(engine, [request])
+        assert outcome.events[-1][0] == "error" and "structured outputs" in outcome.events[-1][1]
+    finally:
+        engine.stop()

@@ -42,7 +42,7 @@ from ..store.payloads import model_module, storable
 from . import prefill
 from . import rows as batch_rows
 from .events import BatchedSink
-from .grammar import Constraint
+from .grammar import Constraint, TokenizerInBackground
 from .logprobs import token_logprobs
 from .metrics import Metrics
 from .request import Request
@@ -75,7 +75,7 @@ class Engine:
         adaptive schedule a step drafts only while the batch holds at most `draft_rows` rows (None:
         any number; 1 whatever the schedule for a model that cannot mask rows of different lengths,
         `ragged_refusal`). `grammar_tokenizer`: the served tokenizer as llguidance takes it
-        (`grammar.grammar_tokenizer`, made at the first request with a grammar)."""
+        (`grammar.grammar_tokenizer`, built on a thread of its own from `start`)."""
         if isinstance(speculative, bool) or not isinstance(speculative, int) or speculative < 0:
             raise CacheInputError(f"speculative must be an int >= 0 (draft tokens per row and step), got "
                                   f"{speculative!r}")
@@ -90,7 +90,7 @@ class Engine:
                                   f"served model's ({int(model.vocab_size)})")  # fmt: skip
         self.model, self.store, self.eos, self.draft_model = model, store, frozenset(eos), draft_model
         self.suffix_corpus = suffix_corpus
-        self._grammar_tokenizer, self._grammar_tokens = grammar_tokenizer, None
+        self._grammar_tokens = None if grammar_tokenizer is None else TokenizerInBackground(grammar_tokenizer)
         #: how many draft tokens the batch feeds (drafters that say their match: not a draft model)
         adaptive = speculative and draft_model is None and draft_schedule == "adaptive"
         #: the model leaves a forward's fillers out (`tokens_per_row`): verify forwards and grouped rests
@@ -141,6 +141,8 @@ class Engine:
     # ------------------------------------------------------------------------- interface
     def start(self) -> None:
         self.store.start_writer()
+        if self._grammar_tokens is not None:
+            self._grammar_tokens.start()
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -256,10 +258,8 @@ class Engine:
 
     def _grammar(self) -> Any:
         if self._grammar_tokens is None:
-            if self._grammar_tokenizer is None:
-                raise CacheInputError("this engine was built without structured outputs (no grammar tokenizer)")
-            self._grammar_tokens = self._grammar_tokenizer()
-        return self._grammar_tokens
+            raise CacheInputError("this engine was built without structured outputs (no grammar tokenizer)")
+        return self._grammar_tokens.get()
 
     def _new_drafter(self) -> Drafter:
         if self.draft_model is not None:

@@ -199,7 +199,8 @@ class EngineProcess:
                     return request
                 except (OSError, ValueError) as exc:  # the pipe broke: the reader ends everything
                     self._requests.pop(request.id, None)
-                    self._ended = self._ended or f"the engine process is gone ({exc})"
+                    # (before the reader has seen the pipe close: the same words as it would say)
+                    self._ended = self._ended or f"the engine process ended unexpectedly ({exc}); see the server's log"
         request.on_event(("unavailable", self._ended))
         return request
 

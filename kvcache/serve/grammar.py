@@ -14,6 +14,8 @@ have to be checked against the grammar token by token).
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -123,6 +125,34 @@ def grammar_tokenizer(served: Any) -> Any:
     import llguidance.hf
 
     return llguidance.hf.from_tokenizer(served.tokenizer, eos_token=list(served.eos) or None)
+
+
+class TokenizerInBackground:
+    """`grammar_tokenizer`'s result, built on a thread of its own once `start`ed (an engine starts
+    it with itself): for a large vocabulary it takes about a second, which the engine's thread,
+    holding every row, would otherwise spend at the first request with a format. `get` waits for
+    it, and raises what building it raised (llguidance not installed)."""
+
+    def __init__(self, build: Callable[[], Any]) -> None:
+        self._build, self._value, self._error = build, None, None
+        self._thread = threading.Thread(target=self._run, name="kvcache-grammar-tokenizer", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._value = self._build()
+        except Exception as exc:  # (raised again where a request needs it)
+            self._error = exc
+
+    def get(self) -> Any:
+        if self._thread.ident is None:  # never started (an engine driven by hand): built here
+            self._thread.start()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 class Constraint:
