@@ -1,7 +1,8 @@
 """`kvcache serve` against `transformers serve` on the same local model directories, in one run.
 
 Small transformers model directories are built here (Llama-shaped: full attention; LFM2-shaped:
-short convolutions and attention, a hybrid), each with a trained byte-level BPE tokenizer, 4
+short convolutions and attention; Qwen3-Next-shaped: gated delta net and attention, a small
+mixture of experts; the last two hybrids), each with a trained byte-level BPE tokenizer, 4
 layers, hidden 256, random weights. Both servers run with their defaults on the same directory
 (`kvcache serve --model DIR`; `transformers serve DIR`, with `--continuous-batching` where its
 continuous batching runs: it cannot serve conv/linear-attention layers, so its plain path there).
@@ -41,7 +42,7 @@ WORDS = ("value", "name", "object", "method", "class", "list", "module", "type",
 
 
 def build_dir(where: Path, kind: str) -> Path:
-    """A transformers model directory of `kind` ("llama" or "lfm2"), 4 layers, hidden 256."""
+    """A transformers model directory of `kind` ("llama", "lfm2" or "qwen3_next"), 4 layers, hidden 256."""
     import torch
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -68,6 +69,12 @@ def build_dir(where: Path, kind: str) -> Path:
     if kind == "lfm2":
         config = transformers.Lfm2Config(**common, layer_types=["conv", "full_attention", "conv", "full_attention"])
         model = transformers.Lfm2ForCausalLM(config)
+    elif kind == "qwen3_next":  # gated delta net and attention, a small mixture of experts
+        config = transformers.Qwen3NextConfig(
+            **common, head_dim=32, layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=4,
+            linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=256, shared_expert_intermediate_size=256)  # fmt: skip
+        model = transformers.Qwen3NextForCausalLM(config)
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     model.generation_config.eos_token_id = None  # every answer runs to max_tokens on both servers
@@ -276,7 +283,7 @@ def serve_anchor_scenario(mode: str) -> Section:
         section.tables.append(table)
         return section
     with tempfile.TemporaryDirectory() as tmp:
-        kinds = ("llama",) if mode == "smoke" else ("llama", "lfm2")
+        kinds = ("llama",) if mode == "smoke" else ("llama", "lfm2", "qwen3_next")
         builds = [lambda m, t, k=k: compare(m, k, t) for k in kinds] + ([] if mode == "smoke" else [chat_turns])
         for build in builds:
             table, targets, figures = build(mode, Path(tmp))

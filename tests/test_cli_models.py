@@ -132,3 +132,25 @@ def test_flags_a_user_gets_wrong_are_one_line_errors(dirs, capsys, tmp_path: Pat
         lines = [line for line in err.strip().splitlines() if not line.startswith("Loading weights")]  # transformers'
         assert code == 2 and out == "" and len(lines) == 1, (args, err)
         assert lines[0].startswith("kvcache generate: error:") and words in lines[0], (args, err)
+
+
+def test_end_tokens_are_the_generation_configs(dirs, tmp_path: Path) -> None:
+    """The tokens that end an answer (the CLI's and the server's) are the ones transformers'
+    `generate` and `transformers serve` stop at: the generation config's. A directory whose
+    generation config names none runs to the token limit, although its tokenizer has an end token."""
+    import json
+    import shutil
+
+    from kvcache.models.text_model import from_directory
+
+    plain = tmp_path / "no-eos"
+    shutil.copytree(dirs["llama"], plain)
+    config = json.loads((plain / "generation_config.json").read_text())
+    config.pop("eos_token_id", None)
+    (plain / "generation_config.json").write_text(json.dumps(config))
+    for where, expected in ((dirs["llama"], [2]), (plain, [])):
+        served = from_directory(where)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(where)
+        named = hf.generation_config.eos_token_id
+        assert served.eos == expected == ([] if named is None else [named])
+        assert served.tokenizer.eos_token_id == 2  # the tokenizer's is there either way

@@ -185,7 +185,9 @@ def from_directory(path: str | Path, dtype: torch.dtype | None = None,
     if device is not None:
         hf = hf.to(device)
     wrapped = wrap_model(hf)
-    eos = wrapped.eos_token_id or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+    # the end tokens are the generation config's, as transformers' generate and serve take them: a
+    # config that names none runs every answer to its token limit (the tokenizer's own is not used)
+    eos = wrapped.eos_token_id or []
     # the store's namespace: the fingerprint already covers the config and weights (not the path),
     # so servers loading the same model from anywhere share one store
     return TextModel(wrapped, where.name, list(eos), tokenizer, "transformers", "transformers")
