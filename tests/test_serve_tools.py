@@ -1,7 +1,8 @@
 """Tool calls in `kvcache serve`'s chat completions: the reader that takes calls out of an answer's
 text (any split of a text read as the whole; calls written as markup read back as the template
 wrote them), the checks of `tools` and of a conversation's tool turns, and a served model that
-calls tools (`tool_model`: trained here to write calls as Qwen 3's or Qwen 3.5's template asks)
+calls tools (`tool_model`: trained here to write calls as Qwen 3's, Qwen 3.5's, Llama 3's or
+Gemma 4's template asks)
 through the official `openai` client, whole and streamed: the calls it wrote, its
 text around them, and its reply to a tool's result, each what it was trained to write (which it
 writes only if the server rendered the tools and the tool turns as its template does)."""
@@ -21,6 +22,8 @@ pytest.importorskip("uvicorn")
 
 from serve_kit import ServeProcess, module_server  # noqa: E402
 from tool_model import (  # noqa: E402
+    GEMMA_TAGS,
+    GEMMA_TEMPLATE,
     MARKUP_TEMPLATE,
     TOOLS,
     WEATHER,
@@ -30,6 +33,9 @@ from tool_model import (  # noqa: E402
     tool_model_dir,
 )
 
+from kvcache.serve.gemma_calls import CLOSE as GEMMA_CLOSE  # noqa: E402
+from kvcache.serve.gemma_calls import OPEN as GEMMA_OPEN  # noqa: E402
+from kvcache.serve.gemma_calls import QUOTE  # noqa: E402
 from kvcache.serve.reasoning import THINK, UNTHINK, Reasoning, ReasoningReader, opened_in  # noqa: E402
 from kvcache.serve.schema import ApiError, Limits, chat_params, completion_params  # noqa: E402
 from kvcache.serve.tools import CLOSE, OPEN, BareCallReader, ToolCall, ToolCallReader  # noqa: E402
@@ -159,6 +165,62 @@ def test_a_call_written_as_markup_is_read_back_as_the_template_wrote_it(markup_t
     reader = ToolCallReader([TYPED])
     calls = [p for p in [*reader.feed(text), *reader.finish()] if isinstance(p, ToolCall)]
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("edit", arguments)]
+
+
+@pytest.fixture(scope="module")
+def gemma_tokenizer():
+    """A tokenizer whose chat template writes calls as Gemma 4's does (`tool_model`'s), its tags special tokens."""
+    transformers = pytest.importorskip("transformers")
+    from serve_kit import byte_level_bpe
+
+    bpe = byte_level_bpe(["ab"], 280, ["<unk>", *GEMMA_TAGS])
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>")
+    tokenizer.chat_template = GEMMA_TEMPLATE
+    return tokenizer
+
+
+gemma_text = st.text(st.sampled_from('ab <>=/_\n"{}[]:,|'), max_size=10).filter(lambda t: QUOTE not in t)
+gemma_leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), gemma_text,
+                       st.floats(allow_nan=False, allow_infinity=False, width=64))  # fmt: skip
+gemma_keys = st.text(st.sampled_from("abcxyz_09"), min_size=1, max_size=6)
+gemma_values = st.recursive(gemma_leaf, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                                  st.dictionaries(gemma_keys, inner, max_size=3)),
+                            max_leaves=8)  # fmt: skip
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.dictionaries(gemma_keys, gemma_values, max_size=4), st.lists(st.integers(0, 300), max_size=5))
+def test_a_gemma_call_is_read_back_as_the_template_wrote_it(gemma_tokenizer, arguments, cuts) -> None:
+    """Arguments of every JSON type, nested, through a template that writes them as Gemma 4's does
+    (strings between `<|"|>`, keys bare, objects and arrays in braces and brackets) and back through
+    the reader, whole and cut anywhere: the same arguments; the text around the call is content."""
+    turn = {"role": "assistant", "content": "Done.", "tool_calls": [
+        {"type": "function", "function": {"name": "edit", "arguments": arguments}}]}  # fmt: skip
+    text = gemma_tokenizer.apply_chat_template([turn], tokenize=False)
+    assert text.count(GEMMA_OPEN) == 1
+    for pieces in ([text], cut(text, cuts)):
+        reader = ToolCallReader(None, "gemma")
+        parts = [part for piece in pieces for part in reader.feed(piece)] + reader.finish()
+        assert [(p.name, json.loads(p.arguments)) for p in parts if isinstance(p, ToolCall)] == [("edit", arguments)]
+        before, after = text[: text.index(GEMMA_OPEN)], text[text.index(GEMMA_CLOSE) + len(GEMMA_CLOSE) :]
+        assert "".join(p for p in parts if isinstance(p, str)) == before.rstrip() + after  # (layout next to a call)
+
+
+def test_what_is_not_one_gemma_call_stays_text() -> None:
+    def one(text: str) -> tuple[str, list[tuple[str, dict]]]:
+        reader = ToolCallReader(None, "gemma")
+        parts = [*reader.feed(text), *reader.finish()]
+        return "".join(p for p in parts if isinstance(p, str)), [
+            (p.name, json.loads(p.arguments)) for p in parts if isinstance(p, ToolCall)]  # fmt: skip
+
+    q = QUOTE
+    assert one(f"{GEMMA_OPEN}call:f{{a:{q}x{q},b:[1, 2.5, true],c:{{d:null}}}}{GEMMA_CLOSE}") == (
+        "", [("f", {"a": "x", "b": [1, 2.5, True], "c": {"d": None}})])
+    assert one(f'{GEMMA_OPEN} call:f {{ "a" : "x" }} {GEMMA_CLOSE}') == ("", [("f", {"a": "x"})])  # JSON strings
+    for body in ("call:f{a:word}", f"call:f{{a:{q}x}}", "call:f{a:1", "call:f{a:1}x", "call:f[1]", "f{a:1}",
+                 "call:f{a 1}", "call:f{a:1 b:2}", "call:{a:1}"):  # fmt: skip
+        assert one(f"Hi {GEMMA_OPEN}{body}{GEMMA_CLOSE}") == (f"Hi{GEMMA_OPEN}{body}{GEMMA_CLOSE}", [])
+    assert one(f"Hi {GEMMA_OPEN}call:f{{a:1}}") == (f"Hi{GEMMA_OPEN}call:f{{a:1}}", [])  # never closed
 
 
 def test_markup_values_are_typed_by_the_schema_and_other_markup_stays_text() -> None:
@@ -296,14 +358,14 @@ def test_tools_and_tool_turns_are_shaped_as_chat_templates_take_them() -> None:
 
 
 # ------------------------------------------------------------------------------- served
-@pytest.fixture(scope="module", params=["json", "markup", "bare"])
+@pytest.fixture(scope="module", params=["json", "markup", "bare", "gemma"])
 def tool_server(request, tmp_path_factory):
-    """A server of the tool model trained to write tagged JSON calls, markup calls or Llama 3's
-    bare JSON calls; and its directory and conversations."""
+    """A server of the tool model trained to write tagged JSON calls, markup calls, Llama 3's
+    bare JSON calls or Gemma 4's calls (special tokens); and its directory, conversations and style."""
     where = tool_model_dir(tmp_path_factory.mktemp("tool-model") / "tool-model", style=request.param)
     process = ServeProcess("--model", str(where), "--threads", "1")
     process.start(tmp_path_factory.mktemp("serve") / "stderr.log")
-    yield process, where, conversations(request.param)
+    yield process, where, conversations(request.param), request.param
     assert process.terminate() == 0, process.log()
 
 
@@ -333,11 +395,12 @@ def streamed(c, **body) -> tuple[str | None, list[tuple[str, dict]], str]:
 
 
 def test_a_model_calls_tools_through_the_official_client_whole_and_streamed(tool_server) -> None:
-    process, _, taught = tool_server
+    process, _, taught, style = tool_server
     c = client(process)
+    opener = GEMMA_OPEN if style == "gemma" else OPEN
     for messages, tools, answer, cities in taught[:2]:
         # what the trained answer says outside its calls (a bare call is the whole answer)
-        text = (answer.split(OPEN)[0].strip() or None) if OPEN in answer else None
+        text = (answer.split(opener)[0].strip() or None) if opener in answer else None
         expected = [("get_weather", {"city": city}) for city in cities]
         whole = c.chat.completions.create(model="tool-model", messages=messages, tools=tools, temperature=0,
                                           max_tokens=80)  # fmt: skip
@@ -352,7 +415,7 @@ def test_a_model_calls_tools_through_the_official_client_whole_and_streamed(tool
 def test_a_tool_result_is_answered_and_the_turns_are_rendered_as_the_template_does(tool_server) -> None:
     from transformers import AutoTokenizer
 
-    process, where, taught = tool_server
+    process, where, taught, _ = tool_server
     c = client(process)
     tokenizer = AutoTokenizer.from_pretrained(where)
     for messages, tools, answer, _ in taught[2:4]:
@@ -412,8 +475,8 @@ def test_a_thinking_model_answers_with_its_reasoning_apart_whole_and_streamed(to
     `chat_template_kwargs` are the template's variables."""
     from transformers import AutoTokenizer
 
-    process, where, taught = tool_server
-    if len(taught) == 4:
+    process, where, taught, style = tool_server
+    if style != "markup":
         pytest.skip("this model's template does not think")
     c = client(process)
     tokenizer = AutoTokenizer.from_pretrained(where)
@@ -453,7 +516,12 @@ OPENINGS = {
     "json": ('<tool_call>\n{"name":', '<tool_call>\n{"name": "get_weather", "arguments":'),
     "markup": ("<tool_call>\n<function=", "<tool_call>\n<function=get_weather>\n"),
     "bare": ('{"name":', '{"name": "get_weather", "parameters":'),
+    "gemma": ("<|tool_call>call:", "<|tool_call>call:get_weather{"),
 }
+
+
+#: The styles whose forced calls are the model's own (no grammar holds them to the schema)
+FREE = ("markup", "gemma")
 
 
 def test_a_forced_tool_choice_starts_the_answer_with_the_call(tool_server) -> None:
@@ -462,13 +530,12 @@ def test_a_forced_tool_choice_starts_the_answer_with_the_call(tool_server) -> No
     on from there, and the call comes back as `tool_calls`, whole, streamed and through the
     Responses API. Where the call is JSON, its rest is held to the tool's schema (one call whose
     arguments follow the schema, whatever the model would write: the tiny model was never taught
-    to call for a greeting); markup calls are the model's own, and one it does not complete is
+    to call for a greeting); markup and Gemma calls are the model's own, and one it does not complete is
     content, the forced start included. A thinking model's forced answer skips its reasoning (an
     empty block, closed in the prompt)."""
     from transformers import AutoTokenizer
 
-    process, where, taught = tool_server
-    style = "markup" if len(taught) > 4 else "bare" if "<tool_call>" not in taught[0][2] else "json"
+    process, where, taught, style = tool_server
     c = client(process)
     tokenizer = AutoTokenizer.from_pretrained(where)
     named = {"type": "function", "function": {"name": "get_weather"}}
@@ -483,16 +550,16 @@ def test_a_forced_tool_choice_starts_the_answer_with_the_call(tool_server) -> No
             message, finish = whole.choices[0].message, whole.choices[0].finish_reason
             if message.tool_calls is None:  # the model did not complete a call: what it wrote is content
                 assert message.content.startswith(opening) and finish != "tool_calls"
-                assert style == "markup" or finish == "length"  # (a held call ends only with its object)
+                assert style in FREE or finish == "length"  # (a held call ends only with its object)
             else:
                 assert finish == "tool_calls" and message.content is None
                 assert all(t.function.name == "get_weather" for t in message.tool_calls)
-                if style != "markup":  # held to the schema: one call, a string city
+                if style not in FREE:  # held to the schema: one call, a string city
                     (call,) = message.tool_calls
                     assert isinstance(json.loads(call.function.arguments)["city"], str)
     # the model was taught these two calls: forced, it writes them from the forced start on (the
     # first alone where the call is held to its schema)
-    messages, expected = taught[1][0], rome_oslo if style == "markup" else rome_oslo[:1]
+    messages, expected = taught[1][0], rome_oslo if style in FREE else rome_oslo[:1]
     for choice in ("required", named):
         body = {"model": "tool-model", "messages": messages, "tools": TOOLS, "tool_choice": choice, "temperature": 0,
                 "max_tokens": 80}  # fmt: skip

@@ -1,7 +1,9 @@
 """A tiny transformers model that calls tools: a ChatML chat template that writes the request's
 tools and asks for calls between `<tool_call>` tags, as Qwen 3's JSON (`JSON_TEMPLATE`) or as Qwen
 3.5's `<function=...>` markup (`MARKUP_TEMPLATE`), or for Llama 3's bare JSON calls
-(`BARE_TEMPLATE`: the tools in the first user message); a byte-level BPE tokenizer with those tags; and
+(`BARE_TEMPLATE`: the tools in the first user message), or Gemma 4's turns and calls, written
+here after its format (`GEMMA_TEMPLATE`: its tags special tokens); a byte-level BPE tokenizer
+with those tags; and
 a 2-layer Llama trained here (a few seconds on a CPU) to answer four conversations as
 `conversations` says: a call after some text, two calls, a reply to a tool's result, a plain
 answer; and with the markup, which thinks as Qwen 3.5 does (`enable_thinking=False` closes an
@@ -88,7 +90,46 @@ Respond in the format {"name": function name, "parameters": dictionary of argume
 {%- endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
-TEMPLATES = {"json": JSON_TEMPLATE, "markup": MARKUP_TEMPLATE, "bare": BARE_TEMPLATE}
+#: Gemma 4's way (written here after its format): turns between `<|turn>` and `<turn|>`, each call
+#: `call:NAME{key:value,...}` between `<|tool_call>` and `<tool_call|>`, a string between `<|"|>`
+#: tokens, keys bare and in order, numbers and booleans as JSON writes them; all of them special tokens
+GEMMA_TEMPLATE = """{%- macro arg(value) -%}
+{%- if value is string -%}<|"|>{{ value }}<|"|>
+{%- elif value is boolean -%}{{ 'true' if value else 'false' }}
+{%- elif value is none -%}null
+{%- elif value is mapping -%}{{ '{' }}
+{%- for k, v in value | dictsort %}{% if not loop.first %},{% endif %}{{ k }}:{{ arg(v) }}{% endfor -%}
+{{ '}' }}
+{%- elif value is sequence -%}[
+{%- for v in value %}{% if not loop.first %},{% endif %}{{ arg(v) }}{% endfor -%}
+]
+{%- else -%}{{ value }}
+{%- endif -%}
+{%- endmacro -%}
+{%- if tools or messages[0].role == 'system' %}<|turn>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+{% endif %}{% for tool in tools or [] %}<|tool>declaration:{{ tool.function.name }}
+{{- '{' }}description:<|"|>{{ tool.function.description }}<|"|>{{ '}' }}<tool|>{% endfor %}<turn|>
+{% endif %}
+{%- set ns = namespace(name='') %}
+{%- for m in messages %}
+{%- if m.role == 'assistant' %}<|turn>model
+{% for call in m.tool_calls or [] %}{% set ns.name = call.function.name %}
+{{- '<|tool_call>call:' + call.function.name }}{{ arg(call.function.arguments) }}<tool_call|>{% endfor %}
+{{- m.content or '' }}<turn|>
+{% elif m.role == 'tool' %}<|turn>user
+<|tool_response>response:{{ ns.name }}{{ '{' }}value:<|"|>{{ m.content }}<|"|>{{ '}' }}<tool_response|>
+{{- '<turn|>' }}
+{% elif m.role != 'system' %}<|turn>{{ m.role }}
+{{ m.content }}<turn|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|turn>model
+{% endif %}"""
+#: Gemma 4's tags, special tokens of its tokenizer (and of this model's)
+GEMMA_TAGS = ("<|turn>", "<turn|>", "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
+              "<tool_response|>", '<|"|>')  # fmt: skip
+TEMPLATES = {"json": JSON_TEMPLATE, "markup": MARKUP_TEMPLATE, "bare": BARE_TEMPLATE, "gemma": GEMMA_TEMPLATE}
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city now.",
@@ -100,6 +141,8 @@ def call_text(city: str, style: str = "json") -> str:
     """get_weather(city) as the model writes it in `style` (a key of `TEMPLATES`)."""
     if style == "bare":
         return '{"name": "get_weather", "parameters": {"city": "' + city + '"}}'
+    if style == "gemma":
+        return '<|tool_call>call:get_weather{city:<|"|>' + city + '<|"|>}<tool_call|>'
     if style == "markup":
         return f"<tool_call>\n<function=get_weather>\n<parameter=city>\n{city}\n</parameter>\n</function>\n</tool_call>"
     return '<tool_call>\n{"name": "get_weather", "arguments": {"city": "' + city + '"}}\n</tool_call>'
@@ -125,7 +168,8 @@ def conversations(style: str = "json") -> list[Conversation]:
         ([{"role": "user", "content": "What is the weather in Paris?"}], TOOLS,
          ("" if style == "bare" else "Let me check.\n") + call_text("Paris", style), ["Paris"]),
         ([{"role": "user", "content": "Weather in Rome and Oslo?"}], TOOLS,
-         call_text("Rome", style) + ("; " if style == "bare" else "\n") + call_text("Oslo", style), ["Rome", "Oslo"]),
+         call_text("Rome", style) + {"bare": "; ", "gemma": ""}.get(style, "\n") + call_text("Oslo", style),
+         ["Rome", "Oslo"]),
         ([{"role": "user", "content": "What is the weather in Paris?"}, called("Paris"),
           {"role": "tool", "content": "sunny, 21 C", "tool_call_id": "call_1"}], TOOLS, "It is sunny in Paris.", []),
         ([{"role": "user", "content": "Say hello."}], None, "Hello there!", []),
@@ -171,14 +215,16 @@ def tool_model_dir(path: Path, style: str = "json") -> Path:
     template, taught = TEMPLATES[style], conversations(style)
     corpus = [template, json.dumps(TOOLS), *(answer for _, _, answer, _ in taught),
               *(m.get("content") or "" for messages, _, _, _ in taught for m in messages)]  # fmt: skip
-    bpe = byte_level_bpe(corpus, 400, ["<unk>", "<|im_start|>", "<|im_end|>"])
+    gemma = style == "gemma"
+    bpe = byte_level_bpe(corpus, 400, ["<unk>", *(GEMMA_TAGS if gemma else ("<|im_start|>", "<|im_end|>"))])
     tags = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<function=", "</function>",
             "<parameter=", "</parameter>", "<think>", "</think>")  # fmt: skip
     bpe.add_tokens([AddedToken(t, special=False) for t in tags])
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>",
-                                                     unk_token="<unk>", pad_token="<unk>")  # fmt: skip
+    end = "<turn|>" if gemma else "<|im_end|>"
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=end, unk_token="<unk>",
+                                                     pad_token="<unk>")  # fmt: skip
     tokenizer.chat_template = template
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    eos = tokenizer.convert_tokens_to_ids(end)
     sequences = []
     for messages, tools, answer, _ in taught:
         prompt = tokenizer.apply_chat_template(template_messages(messages), tools=tools, tokenize=False,

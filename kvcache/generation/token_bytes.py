@@ -43,8 +43,9 @@ def _decoder_kinds(backend: Any) -> set[str]:
 
 
 def _special_ids(tokenizer: Any) -> frozenset[int]:
-    if hasattr(tokenizer, "all_special_ids"):  # transformers
-        return frozenset(tokenizer.all_special_ids)
+    if hasattr(tokenizer, "all_special_ids"):  # transformers: its special tokens and added ones marked special
+        added = getattr(tokenizer, "added_tokens_decoder", {})
+        return frozenset(tokenizer.all_special_ids) | {i for i, token in added.items() if token.special}
     added = tokenizer.get_added_tokens_decoder()  # a `tokenizers.Tokenizer`
     return frozenset(i for i, token in added.items() if token.special)
 
@@ -63,14 +64,16 @@ class TokenBytes:
         return len(text) if self.runs else 1
 
 
-def byte_reader(tokenizer: Any, skip_special_tokens: bool = False) -> TokenBytes | None:
+def byte_reader(tokenizer: Any, skip_special_tokens: bool = False, keep: frozenset[int] = frozenset()
+                ) -> TokenBytes | None:  # fmt: skip
     """The `TokenBytes` of `tokenizer` (a transformers fast tokenizer or a `tokenizers.Tokenizer`
     with a byte-level or byte-fallback decoder), or None where the decoder does not say. With
-    `skip_special_tokens` (as the text is decoded) a special token stands for no bytes."""
+    `skip_special_tokens` (as the text is decoded) a special token stands for no bytes, except
+    those of `keep`."""
     backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
     piece_of = getattr(tokenizer, "convert_ids_to_tokens", None) or getattr(tokenizer, "id_to_token", None)
     kinds = _decoder_kinds(backend) if piece_of is not None else set()
-    special = _special_ids(tokenizer) if skip_special_tokens and kinds else frozenset()
+    special = _special_ids(tokenizer) - keep if skip_special_tokens and kinds else frozenset()
     if "ByteLevel" in kinds:
         alphabet = _byte_level_alphabet()
 

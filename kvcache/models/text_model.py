@@ -27,6 +27,9 @@ from ..generation.token_bytes import TokenBytes, byte_reader
 from . import default
 
 ROLES = ("system", "user", "assistant")
+#: Special tokens decoded text keeps (every other special token is dropped): Gemma 4's tool-call
+#: tags and string quote, which the server reads calls out of (`serve.gemma_calls`)
+KEPT_SPECIAL = ("<|tool_call>", "<tool_call|>", '<|"|>')
 
 
 @dataclass
@@ -75,7 +78,22 @@ class TextModel:
     def decode(self, ids: list[int]) -> str:
         if self.kind == "bundled":
             return self.tokenizer.decode(ids)
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        if not self._kept:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode([i for i in ids if i not in self._dropped], skip_special_tokens=False)
+
+    @cached_property
+    def _kept(self) -> frozenset[int]:
+        """The ids of the tokenizer's `KEPT_SPECIAL` tokens (special or not: kept either way)."""
+        ids = {int(self.tokenizer.convert_tokens_to_ids(token)) for token in KEPT_SPECIAL}
+        return frozenset(i for i in ids if self.tokenizer.convert_ids_to_tokens(i) in KEPT_SPECIAL)
+
+    @cached_property
+    def _dropped(self) -> frozenset[int]:
+        """The special tokens `decode` drops: every one but the kept ones."""
+        added = getattr(self.tokenizer, "added_tokens_decoder", {})
+        special = set(self.tokenizer.all_special_ids) | {i for i, token in added.items() if token.special}
+        return frozenset(special - self._kept)
 
     @cached_property
     def token_bytes(self) -> TokenBytes | None:
@@ -83,7 +101,7 @@ class TextModel:
         the characters that later bytes can change), or None where the tokenizer does not say."""
         if self.kind == "bundled":
             return None
-        return byte_reader(self.tokenizer, skip_special_tokens=True)
+        return byte_reader(self.tokenizer, skip_special_tokens=True, keep=self._kept)
 
     def cache_id(self) -> str:
         """What a saved prompt cache names its model by, so that a cache of other weights is

@@ -36,7 +36,7 @@ from .grammar import call_grammar
 from .reasoning import UNTHINK, opened_in, reads_reasoning
 from .schema import ApiError, Limits, Params, chat_params, completion_params, parse_json
 from .served import ServedModel
-from .tools import CLOSE, bare_calls, call_opening, call_style, tools_refused
+from .tools import CLOSE, call_opening, call_style, tools_refused
 
 
 def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = None,
@@ -102,7 +102,7 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
                 echo = (original if isinstance(original, str) else served.decode(prompt)) if params.echo else None
                 choices.append(Completion(served, engine, request, params.stop, chat=chat, index=i * params.n + j,
                                           counts_prompt=j == 0, echo=echo, tools=params.tools,
-                                          reasoning=params.reasoning, bare_calls=params.bare_calls,
+                                          reasoning=params.reasoning, call_style=params.call_style,
                                           opening=params.opening, closing=params.closing))  # fmt: skip
                 metrics.prompt_tokens.inc(len(prompt))
                 engine.submit(request)
@@ -135,11 +135,11 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
                 raise ApiError(400, str(err), param="chat_template_kwargs" if served.kind == "bundled" else "messages"
                                ) from None  # fmt: skip
             params.reasoning = opened_in(prompt) if reads_reasoning(served) else None
-            params.bare_calls = params.tools is not None and bare_calls(served)
+            params.call_style = None if params.tools is None else call_style(served)
             if params.forced_tool is not None or params.grammar is not None:
                 # the answer starts with the call, or is held to a format: no reasoning (an empty thought)
                 if params.forced_tool is not None:  # (the tools' schemas hold the call's rest, where they can)
-                    style = call_style(served)
+                    style = call_style(served)  # (forced: tools offered)
                     params.opening = call_opening(style, params.forced_tool)
                     params.grammar = call_grammar(style, params.tools or [], params.forced_tool)
                     params.closing = "\n" + CLOSE if params.grammar is not None and style == "json" else ""

@@ -32,8 +32,9 @@ class Completion:
     answer's usage (the first of the `n` choices of a prompt); `echo`: the prompt's text, which the
     completion's text starts with (its tokens' log probabilities come first too, when asked). A chat
 answer is read for `tools` calls (the offered tools, None: none) and for `reasoning` (None: not
-read; else whether the prompt left the model thinking, `reasoning.opened_in`); `bare_calls`: the
-model writes calls as Llama 3 does (`tools.BareCallReader`); `opening`: the answer's start that the
+read; else whether the prompt left the model thinking, `reasoning.opened_in`); `call_style`: how
+the model writes calls (`tools.call_style`: Llama 3's "bare" ones are read by `tools.BareCallReader`,
+the others by `tools.ToolCallReader`); `opening`: the answer's start that the
 prompt already holds (a forced call's, `tools.call_opening`), read as the answer's but not counted
 as its tokens; `closing`: what the answer's grammar left for the template to write once it ended
 ("stop"), read as the answer's end (a forced call's closing tag)."""
@@ -41,7 +42,7 @@ as its tokens; `closing`: what the answer's grammar left for the template to wri
     def __init__(self, served: ServedModel, engine: Any, request: Request, stops: list[str], *,
                  chat: bool = False, index: int = 0, counts_prompt: bool = True,
                  echo: str | None = None, tools: list[dict[str, Any]] | None = None,
-                 reasoning: bool | None = None, bare_calls: bool = False, opening: str = "",
+                 reasoning: bool | None = None, call_style: str | None = "json", opening: str = "",
                  closing: str = "") -> None:  # fmt: skip
         self.served, self.engine, self.request, self.stops, self.chat = served, engine, request, stops, chat
         self.index, self.counts_prompt, self.echo = index, counts_prompt, echo
@@ -56,7 +57,7 @@ as its tokens; `closing`: what the answer's grammar left for the template to wri
         self.detokenizer = Detokenizer(served.decode, served.token_bytes)
         self.calls: ToolCallReader | BareCallReader | None = None  # a chat offered tools: its text may hold calls
         if tools is not None:
-            self.calls = BareCallReader() if bare_calls else ToolCallReader(tools)
+            self.calls = BareCallReader() if call_style == "bare" else ToolCallReader(tools, call_style or "json")
         self.reasoning = None if reasoning is None else ReasoningReader(reasoning)
         self._opening, self._closing = opening, closing  # (read with the first text, and at a grammar's end)
 

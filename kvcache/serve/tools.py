@@ -7,7 +7,8 @@ models with tool use are trained on: each call between `<tool_call>` and `</tool
 object `{"name": ..., "arguments": {...}}` (Qwen 3, Hermes) or as `<function=...>` markup with
 one `<parameter=...>` per argument (Qwen 3.5, Qwen3-Coder; its values typed by the offered tool's
 schema: `call_formats`). Llama 3.1-3.3's templates ask instead for an answer that is nothing but
-a JSON object `{"name": ..., "parameters": {...}}` (no tags; `BareCallReader`). A model is served
+a JSON object `{"name": ..., "parameters": {...}}` (no tags; `BareCallReader`), and Gemma 4's for
+`call:NAME{...}` between its `<|tool_call>` and `<tool_call|>` tokens (`gemma_calls`). A model is served
 with tools when its chat template writes the tools and asks for one of these; other models refuse
 `tools` with a 400 rather than answer with calls no one reads. A forced `tool_choice` ("required",
 a named function) puts the start of a call at the end of the prompt (`call_opening`), read as the
@@ -24,6 +25,9 @@ from typing import Any
 
 from .api_error import ApiError
 from .call_formats import ToolCall, arguments_object, parameter_types, read_call
+from .gemma_calls import CLOSE as GEMMA_CLOSE
+from .gemma_calls import OPEN as GEMMA_OPEN
+from .gemma_calls import read_gemma_call
 from .tags import until_tag
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -41,10 +45,13 @@ def tools_refused(served: Any) -> str | None:
     must decode as text) or for bare JSON calls."""
     tokenizer = served.tokenizer
     template = None if served.kind == "bundled" else getattr(tokenizer, "chat_template", None)
-    if not isinstance(template, str) or "tools" not in template or (OPEN not in template and BARE not in template):
+    if not isinstance(template, str) or "tools" not in template or not any(
+            tag in template for tag in (OPEN, BARE, GEMMA_OPEN)):  # fmt: skip
         return ("the served model's chat template does not write tools in a format this server reads "
-                f"({OPEN} JSON or <function=...> markup {CLOSE}, as Qwen's and Hermes' templates ask for, or "
-                "Llama 3's bare JSON)")  # fmt: skip
+                f"({OPEN} JSON or <function=...> markup {CLOSE}, as Qwen's and Hermes' templates ask for, "
+                f"Llama 3's bare JSON, or Gemma 4's {GEMMA_OPEN}call:...{GEMMA_CLOSE})")  # fmt: skip
+    if GEMMA_OPEN in template:  # its tags are special tokens, which the served text keeps (`TextModel.decode`)
+        return None
     if OPEN in template and OPEN in getattr(tokenizer, "all_special_tokens", ()):
         return f"the served model's tokenizer drops {OPEN} from decoded text (a special token)"
     return None
@@ -113,10 +120,13 @@ def forced_tool(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> str
 
 def call_style(served: Any) -> str:
     """How `served`'s template writes a call: "json" (Qwen/Hermes, between tags), "markup" (Qwen 3.5,
-    between tags) or "bare" (Llama 3)."""
+    between tags), "bare" (Llama 3) or "gemma" (Gemma 4)."""
+    template = str(getattr(served.tokenizer, "chat_template", ""))
+    if GEMMA_OPEN in template:
+        return "gemma"
     if bare_calls(served):
         return "bare"
-    return "markup" if "<function=" in str(getattr(served.tokenizer, "chat_template", "")) else "json"
+    return "markup" if "<function=" in template else "json"
 
 
 def call_opening(style: str, name: str) -> str:
@@ -125,6 +135,8 @@ def call_opening(style: str, name: str) -> str:
     It stops before a space or the name's end, where the model's own tokens may join what follows."""
     if style == "bare":
         return '{"name":' + (f' {json.dumps(name)}, "parameters":' if name else "")
+    if style == "gemma":
+        return f"{GEMMA_OPEN}call:" + (f"{name}{{" if name else "")
     if style == "markup":
         return f"{OPEN}\n<function=" + (f"{name}>\n" if name else "")
     return f'{OPEN}\n{{"name":' + (f' {json.dumps(name)}, "arguments":' if name else "")
@@ -156,10 +168,14 @@ class ToolCallReader:
     """A chat answer's text, fed piece by piece, as content pieces and `ToolCall`s in order: what
     it gives for any split of the text is what it gives for the whole (held back: text that may yet
     open a call, and a call until it closes). `tools`: the offered tools (`check_tools`'), whose
-    schemas type the values of calls written as markup."""
+    schemas type the values of calls written as markup; `style`: "json" or "markup" (read alike:
+    `call_formats`) or "gemma" (Gemma 4's tags and syntax, `gemma_calls`)."""
 
-    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+    def __init__(self, tools: list[dict[str, Any]] | None = None, style: str = "json") -> None:
         self._types = parameter_types(tools)
+        gemma = style == "gemma"
+        self._open, self._close = (GEMMA_OPEN, GEMMA_CLOSE) if gemma else (OPEN, CLOSE)
+        self._read = (lambda body, types: read_gemma_call(body)) if gemma else read_call
         self._held = ""
         self._inside = False  # between OPEN and its CLOSE
         self._after_call = False  # the whitespace that follows a call is layout
@@ -170,26 +186,26 @@ class ToolCallReader:
         out: list[str | ToolCall] = []
         while True:
             if self._inside:
-                at = self._held.find(CLOSE)
+                at = self._held.find(self._close)
                 if at < 0:
                     return out
-                body, self._held, self._inside = self._held[:at], self._held[at + len(CLOSE) :], False
-                call = read_call(body, self._types)
+                body, self._held, self._inside = self._held[:at], self._held[at + len(self._close) :], False
+                call = self._read(body, self._types)
                 if call is None:
-                    self._content(out, OPEN + body + CLOSE)
+                    self._content(out, self._open + body + self._close)
                 else:
                     out.append(call)
                     self.calls += 1
                     self._after_call = True
                 continue
-            ready, self._held, self._inside = until_tag(self._held, OPEN)
+            ready, self._held, self._inside = until_tag(self._held, self._open)
             self._content(out, ready)
             if not self._inside:
                 return out
 
     def finish(self) -> list[str | ToolCall]:
         """What is still held once the answer ended: text (a call never closed stays text)."""
-        rest, self._held = (OPEN if self._inside else "") + self._held, ""
+        rest, self._held = (self._open if self._inside else "") + self._held, ""
         self._inside = False
         out: list[str | ToolCall] = []
         self._content(out, rest)
