@@ -36,7 +36,16 @@ from tool_model import (  # noqa: E402
 from kvcache.serve.gemma_calls import CLOSE as GEMMA_CLOSE  # noqa: E402
 from kvcache.serve.gemma_calls import OPEN as GEMMA_OPEN  # noqa: E402
 from kvcache.serve.gemma_calls import QUOTE  # noqa: E402
-from kvcache.serve.reasoning import THINK, UNTHINK, Reasoning, ReasoningReader, opened_in  # noqa: E402
+from kvcache.serve.reasoning import (  # noqa: E402
+    CHANNEL,
+    THINK,
+    UNCHANNEL,
+    UNTHINK,
+    Reasoning,
+    ReasoningReader,
+    closing,
+    opened_in,
+)
 from kvcache.serve.schema import ApiError, Limits, chat_params, completion_params  # noqa: E402
 from kvcache.serve.tools import CLOSE, OPEN, BareCallReader, ToolCall, ToolCallReader  # noqa: E402
 
@@ -245,47 +254,48 @@ def test_markup_values_are_typed_by_the_schema_and_other_markup_stays_text() -> 
 
 
 # ------------------------------------------------------------------------------- reasoning
-def reasoned(pieces: list[str], thinking: bool = False) -> tuple[str, str]:
+def reasoned(pieces: list[str], thinking: bool = False, tags: tuple[str, str] = (THINK, UNTHINK)) -> tuple[str, str]:
     """The reasoning and the content a reader gives for `pieces` fed in turn."""
-    reader = ReasoningReader(thinking)
+    reader = ReasoningReader(thinking, tags)
     parts = [part for piece in pieces for part in reader.feed(piece)] + reader.finish()
     return "".join(p for p in parts if isinstance(p, Reasoning)), "".join(p for p in parts if type(p) is str)
 
 
 spaces = st.sampled_from(["", " ", "\n", "\n\n", " \n "])
-said = st.text(st.sampled_from("ab <>/\nthink"), max_size=14)
+said = st.text(st.sampled_from("ab <>/|\nthinkchanel"), max_size=14)
 
 
 @st.composite
-def thoughts(draw) -> tuple[str, bool, str, str]:
-    """An answer, whether its prompt opened `<think>`, and its reasoning and content as the module
-    docstring of `kvcache.serve.reasoning` defines them."""
+def thoughts(draw) -> tuple[str, bool, str, str, tuple[str, str]]:
+    """An answer, whether its prompt opened its reasoning, its reasoning and content as the module
+    docstring of `kvcache.serve.reasoning` defines them, and the tags (Qwen's or Gemma 4's)."""
+    think, unthink = tags = draw(st.sampled_from([(THINK, UNTHINK), (CHANNEL, UNCHANNEL)]))
     opened, closes = draw(st.booleans()), draw(st.booleans())
-    thought = draw(said.filter(lambda t: UNTHINK not in t))
+    thought = draw(said.filter(lambda t: unthink not in t))
     content = draw(said)
     if opened:  # the answer starts thinking; it may end before it closes
         if not closes:
-            return draw(spaces) + thought, True, thought.strip(), ""
-        return draw(spaces) + thought + draw(spaces) + UNTHINK + draw(spaces) + content, True, thought.strip(), \
-            content.lstrip()  # fmt: skip
+            return draw(spaces) + thought, True, thought.strip(), "", tags
+        return draw(spaces) + thought + draw(spaces) + unthink + draw(spaces) + content, True, thought.strip(), \
+            content.lstrip(), tags  # fmt: skip
     if draw(st.booleans()):  # it opens a reasoning block itself
-        head = draw(spaces) + THINK + draw(spaces) + thought
+        head = draw(spaces) + think + draw(spaces) + thought
         if not closes:
-            return head, False, thought.strip(), ""
-        return head + draw(spaces) + UNTHINK + draw(spaces) + content, False, thought.strip(), content.lstrip()
+            return head, False, thought.strip(), "", tags
+        return head + draw(spaces) + unthink + draw(spaces) + content, False, thought.strip(), content.lstrip(), tags
     text = draw(spaces) + content  # no block: all content, tags and all
-    assume(not text.lstrip().startswith(THINK))
-    return text, False, "", text
+    assume(not text.lstrip().startswith(think))
+    return text, False, "", text, tags
 
 
 @settings(max_examples=200, deadline=None)
 @given(thoughts(), st.lists(st.integers(0, 60), max_size=6))
 def test_the_reasoning_reader_gives_each_answers_reasoning_and_content_for_any_split(answer, cuts) -> None:
-    text, thinking, thought, content = answer
+    text, thinking, thought, content, tags = answer
     pieces = cut(text, cuts)
-    assert reasoned([text], thinking) == (thought, content)
-    assert reasoned(pieces, thinking) == (thought, content)
-    assert reasoned(list(text), thinking) == (thought, content)
+    assert reasoned([text], thinking, tags) == (thought, content)
+    assert reasoned(pieces, thinking, tags) == (thought, content)
+    assert reasoned(list(text), thinking, tags) == (thought, content)
 
 
 def test_a_prompt_that_leaves_think_open_starts_the_answer_thinking() -> None:
@@ -293,6 +303,8 @@ def test_a_prompt_that_leaves_think_open_starts_the_answer_thinking() -> None:
     assert not opened_in("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # thinking switched off
     assert not opened_in("<|im_start|>assistant\n")
     assert not opened_in("<|im_start|>user\nwhat does <think> do?<|im_end|>\n<|im_start|>assistant\n")
+    assert opened_in("<|turn>model\n<|channel>thought\n", (CHANNEL, UNCHANNEL))
+    assert not opened_in("<|turn>model\n<|channel>thought\n<channel|>", (CHANNEL, UNCHANNEL))
 
 
 # ------------------------------------------------------------------------------- the checks
@@ -468,25 +480,31 @@ def test_a_conversation_the_chat_template_refuses_is_a_400_not_a_500(tmp_path) -
         served.chat_prompt([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
 
 
+#: The styles whose tiny models think, and their reasoning's tags
+THINKERS = {"markup": (THINK, UNTHINK), "gemma": (CHANNEL, UNCHANNEL)}
+
+
 def test_a_thinking_model_answers_with_its_reasoning_apart_whole_and_streamed(tool_server) -> None:
-    """The markup model thinks as Qwen 3.5 does: its reasoning comes back as `reasoning_content`
-    and the rest as `content`, whether the prompt opened `<think>` or the model did; an earlier
+    """The markup model thinks as Qwen 3.5 does (`<think>`), the Gemma one in Gemma 4's channel
+    (special tokens): its reasoning comes back as `reasoning_content`
+    and the rest as `content`, whether the prompt opened the reasoning or the model did; an earlier
     turn's reasoning sent back reaches the template (the prompt's tokens are its rendering's), and
     `chat_template_kwargs` are the template's variables."""
     from transformers import AutoTokenizer
 
     process, where, taught, style = tool_server
-    if style != "markup":
+    if style not in THINKERS:
         pytest.skip("this model's template does not think")
+    think, unthink = THINKERS[style]
     c = client(process)
     tokenizer = AutoTokenizer.from_pretrained(where)
     for messages, _, answer, _ in taught[4:]:
-        thought, content = answer.split(UNTHINK)
-        expected = (thought.removeprefix(THINK).strip(), content.strip())
+        thought, content = answer.split(unthink)
+        expected = (thought.removeprefix(think).strip(), content.strip())
         whole = c.chat.completions.create(model="tool-model", messages=messages, temperature=0, max_tokens=40)
         message = whole.choices[0].message
         assert (message.reasoning_content, message.content) == expected and whole.choices[0].finish_reason == "stop"
-        through = tokenizer.encode(thought + UNTHINK, add_special_tokens=False)  # the tokens it was trained to think in
+        through = tokenizer.encode(thought + unthink, add_special_tokens=False)  # the tokens it was trained to think in
         assert whole.usage.completion_tokens_details.reasoning_tokens == len(through)
         thinking, said = "", ""
         for chunk in c.chat.completions.create(model="tool-model", messages=messages, temperature=0, max_tokens=40,
@@ -499,12 +517,13 @@ def test_a_thinking_model_answers_with_its_reasoning_apart_whole_and_streamed(to
              {"role": "assistant", "content": "Blue light scatters most.", "reasoning_content": "Light scatters."},
              {"role": "user", "content": "Say hello."}]  # fmt: skip
     rendered = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-    assert "<think>\nLight scatters.\n</think>" in rendered
+    assert {"markup": "<think>\nLight scatters.\n</think>",
+            "gemma": "<|channel>thought\nLight scatters.<channel|>"}[style] in rendered  # fmt: skip
     answer = c.chat.completions.create(model="tool-model", messages=turns, temperature=0, max_tokens=4)
     assert answer.usage.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
     # a template variable (Qwen's switch): the template closes an empty block, the answer is all content
     quiet = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True, enable_thinking=False)
-    assert quiet.endswith("<think>\n\n</think>\n\n")
+    assert quiet.endswith({"markup": "<think>\n\n</think>\n\n", "gemma": "<|channel>thought\n<channel|>"}[style])
     off = c.chat.completions.create(model="tool-model", messages=turns, temperature=0, max_tokens=4,
                                     extra_body={"chat_template_kwargs": {"enable_thinking": False}})  # fmt: skip
     assert off.usage.prompt_tokens == len(tokenizer.encode(quiet, add_special_tokens=False))
@@ -571,13 +590,13 @@ def test_a_forced_tool_choice_starts_the_answer_with_the_call(tool_server) -> No
     answer = c.responses.create(model="tool-model", input=messages, tools=flat, temperature=0, max_output_tokens=80,
                                 tool_choice={"type": "function", "name": "get_weather"})  # fmt: skip
     assert [(i.name, json.loads(i.arguments)) for i in answer.output if i.type == "function_call"] == expected
-    if style == "markup":  # a prompt that opens <think>: the forced answer closes it empty first
+    if style in THINKERS:  # a prompt that opens its reasoning: the forced answer closes it empty first
         messages = taught[4][0]
         rendered = tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
-        assert opened_in(rendered)
+        assert opened_in(rendered, THINKERS[style])
         whole = c.chat.completions.create(model="tool-model", messages=messages, tools=TOOLS, temperature=0,
                                           tool_choice=named, max_tokens=30)  # fmt: skip
-        prompt = rendered + "\n" + UNTHINK + "\n\n" + OPENINGS[style][1]
+        prompt = rendered + closing(THINKERS[style]) + OPENINGS[style][1]
         assert whole.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
         assert getattr(whole.choices[0].message, "reasoning_content", None) is None
         details = whole.usage.completion_tokens_details

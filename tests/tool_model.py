@@ -114,7 +114,8 @@ GEMMA_TEMPLATE = """{%- macro arg(value) -%}
 {%- set ns = namespace(name='') %}
 {%- for m in messages %}
 {%- if m.role == 'assistant' %}<|turn>model
-{% for call in m.tool_calls or [] %}{% set ns.name = call.function.name %}
+{% if m.reasoning_content %}<|channel>thought
+{{ m.reasoning_content }}<channel|>{% endif %}{% for call in m.tool_calls or [] %}{% set ns.name = call.function.name %}
 {{- '<|tool_call>call:' + call.function.name }}{{ arg(call.function.arguments) }}<tool_call|>{% endfor %}
 {{- m.content or '' }}<turn|>
 {% elif m.role == 'tool' %}<|turn>user
@@ -125,10 +126,12 @@ GEMMA_TEMPLATE = """{%- macro arg(value) -%}
 {% endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}<|turn>model
-{% endif %}"""
+{% if messages[-1].content.startswith('Think') %}<|channel>thought
+{% elif enable_thinking is defined and enable_thinking is false %}<|channel>thought
+<channel|>{% endif %}{% endif %}"""
 #: Gemma 4's tags, special tokens of its tokenizer (and of this model's)
 GEMMA_TAGS = ("<|turn>", "<turn|>", "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
-              "<tool_response|>", '<|"|>')  # fmt: skip
+              "<tool_response|>", '<|"|>', "<|channel>", "<channel|>")  # fmt: skip
 TEMPLATES = {"json": JSON_TEMPLATE, "markup": MARKUP_TEMPLATE, "bare": BARE_TEMPLATE, "gemma": GEMMA_TEMPLATE}
 
 WEATHER = {"type": "function", "function": {
@@ -177,7 +180,11 @@ def conversations(style: str = "json") -> list[Conversation]:
         ([{"role": "user", "content": "Think, then greet me."}], None, "A greeting is wanted.\n</think>\n\nHi!", []),
         ([{"role": "user", "content": "Why is the sky blue?"}], None,
          "<think>\nLight scatters.\n</think>\n\nBlue light scatters most.", []),
-    ] if style == "markup" else [])  # fmt: skip
+    ] if style == "markup" else [  # Gemma 4 thinks in a channel: the prompt opens it for a message that starts "Think"
+        ([{"role": "user", "content": "Think, then greet me."}], None, "A greeting is wanted.<channel|>Hi!", []),
+        ([{"role": "user", "content": "Why is the sky blue?"}], None,
+         "<|channel>thought\nLight scatters.<channel|>Blue light scatters most.", []),
+    ] if style == "gemma" else [])  # fmt: skip
 
 
 CONVERSATIONS = conversations()

@@ -33,7 +33,7 @@ from . import responses
 from .completion import Completion, stream, usage, watch, whole
 from .engine import Engine, Request
 from .grammar import call_grammar
-from .reasoning import UNTHINK, opened_in, reads_reasoning
+from .reasoning import closing, opened_in, reasoning_tags
 from .schema import ApiError, Limits, Params, chat_params, completion_params, parse_json
 from .served import ServedModel
 from .tools import CLOSE, call_opening, call_style, tools_refused
@@ -102,7 +102,8 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
                 echo = (original if isinstance(original, str) else served.decode(prompt)) if params.echo else None
                 choices.append(Completion(served, engine, request, params.stop, chat=chat, index=i * params.n + j,
                                           counts_prompt=j == 0, echo=echo, tools=params.tools,
-                                          reasoning=params.reasoning, call_style=params.call_style,
+                                          reasoning=params.reasoning, reasoning_tags=params.reasoning_tags,
+                                          call_style=params.call_style,
                                           opening=params.opening, closing=params.closing))  # fmt: skip
                 metrics.prompt_tokens.inc(len(prompt))
                 engine.submit(request)
@@ -134,7 +135,8 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
             except KVCacheError as err:
                 raise ApiError(400, str(err), param="chat_template_kwargs" if served.kind == "bundled" else "messages"
                                ) from None  # fmt: skip
-            params.reasoning = opened_in(prompt) if reads_reasoning(served) else None
+            tags = params.reasoning_tags = reasoning_tags(served)
+            params.reasoning = None if tags is None else opened_in(prompt, tags)
             params.call_style = None if params.tools is None else call_style(served)
             if params.forced_tool is not None or params.grammar is not None:
                 # the answer starts with the call, or is held to a format: no reasoning (an empty thought)
@@ -143,7 +145,7 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
                     params.opening = call_opening(style, params.forced_tool)
                     params.grammar = call_grammar(style, params.tools or [], params.forced_tool)
                     params.closing = "\n" + CLOSE if params.grammar is not None and style == "json" else ""
-                prompt += ("\n" + UNTHINK + "\n\n" if params.reasoning else "") + params.opening
+                prompt += (closing(tags) if tags is not None and params.reasoning else "") + params.opening
                 params.reasoning = None
             params.prompts = [prompt]
         return params

@@ -17,7 +17,7 @@ from ..generation.detokenize import Detokenizer
 from .engine import Request
 from .events import asyncio_sink
 from .logprobs import TokenLogprobs, chat_logprobs, completion_logprobs, echoed_logprobs, joined
-from .reasoning import UNTHINK, Reasoning, ReasoningReader
+from .reasoning import THINK, UNTHINK, Reasoning, ReasoningReader
 from .schema import ApiError
 from .served import ServedModel
 from .tools import BareCallReader, ToolCall, ToolCallReader
@@ -32,7 +32,8 @@ class Completion:
     answer's usage (the first of the `n` choices of a prompt); `echo`: the prompt's text, which the
     completion's text starts with (its tokens' log probabilities come first too, when asked). A chat
 answer is read for `tools` calls (the offered tools, None: none) and for `reasoning` (None: not
-read; else whether the prompt left the model thinking, `reasoning.opened_in`); `call_style`: how
+read; else whether the prompt left the model thinking, `reasoning.opened_in`, with `reasoning_tags`);
+`call_style`: how
 the model writes calls (`tools.call_style`: Llama 3's "bare" ones are read by `tools.BareCallReader`,
 the others by `tools.ToolCallReader`); `opening`: the answer's start that the
 prompt already holds (a forced call's, `tools.call_opening`), read as the answer's but not counted
@@ -42,7 +43,8 @@ as its tokens; `closing`: what the answer's grammar left for the template to wri
     def __init__(self, served: ServedModel, engine: Any, request: Request, stops: list[str], *,
                  chat: bool = False, index: int = 0, counts_prompt: bool = True,
                  echo: str | None = None, tools: list[dict[str, Any]] | None = None,
-                 reasoning: bool | None = None, call_style: str | None = "json", opening: str = "",
+                 reasoning: bool | None = None, reasoning_tags: tuple[str, str] | None = None,
+                 call_style: str | None = "json", opening: str = "",
                  closing: str = "") -> None:  # fmt: skip
         self.served, self.engine, self.request, self.stops, self.chat = served, engine, request, stops, chat
         self.index, self.counts_prompt, self.echo = index, counts_prompt, echo
@@ -58,7 +60,7 @@ as its tokens; `closing`: what the answer's grammar left for the template to wri
         self.calls: ToolCallReader | BareCallReader | None = None  # a chat offered tools: its text may hold calls
         if tools is not None:
             self.calls = BareCallReader() if call_style == "bare" else ToolCallReader(tools, call_style or "json")
-        self.reasoning = None if reasoning is None else ReasoningReader(reasoning)
+        self.reasoning = None if reasoning is None else ReasoningReader(reasoning, reasoning_tags or (THINK, UNTHINK))
         self._opening, self._closing = opening, closing  # (read with the first text, and at a grammar's end)
 
     def read(self, text: str, end: bool = False) -> list[str | Reasoning | ToolCall]:
@@ -187,17 +189,17 @@ def usage(choices: list[Completion]) -> dict[str, Any]:
 
 
 def reasoning_tokens(choice: Completion) -> int:
-    """How many of the answer's tokens were reasoning: those up to the one that completes
-    `</think>` (all of them where it never came); 0 for an answer without reasoning."""
+    """How many of the answer's tokens were reasoning: those up to the one that completes its
+    closing tag (all of them where it never came); 0 for an answer without reasoning."""
     if choice.reasoning is None or not choice.reasoning.reasoned:
         return 0
-    tokens, decode = choice.tokens, choice.served.decode
+    tokens, decode, close = choice.tokens, choice.served.decode, choice.reasoning.close
     low, high = 1, len(tokens)  # the fewest leading tokens whose text holds the closing tag
-    if UNTHINK not in decode(tokens):
+    if close not in decode(tokens):
         return len(tokens)
     while low < high:
         mid = (low + high) // 2
-        low, high = (low, mid) if UNTHINK in decode(tokens[:mid]) else (mid + 1, high)
+        low, high = (low, mid) if close in decode(tokens[:mid]) else (mid + 1, high)
     return low
 
 

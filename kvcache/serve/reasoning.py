@@ -4,12 +4,15 @@ think first (Qwen 3, Qwen 3.5, Qwen3-Next, DeepSeek-R1's descendants) writes bet
 serve` and vLLM return it), whole or streamed.
 
 An answer is read so when the model's chat template writes those tags and its tokenizer decodes
-them as text. Its reasoning starts at a `<think>` the answer opens with (after whitespace), or at
-once where the prompt itself ends by opening `<think>` (a template that starts the assistant's
-turn thinking), and ends at `</think>`; it is shown without the whitespace around it, and the content
-after it without the whitespace that follows the tag (the template's layout). An answer that
-ends while thinking (`max_tokens`) is reasoning alone. Without a `<think>` at its start the whole
-answer is content, tags and all.
+them as text; or, for Gemma 4, whose template writes its thinking channel between the special
+tokens `<|channel>` and `<channel|>` (the channel named `thought` after the first), with those
+tags (`CHANNEL`, `UNCHANNEL`: decoded text keeps both tokens, `TextModel.decode`). Its reasoning
+starts at an opening tag the answer starts with (after whitespace), or at once where the prompt
+itself ends by opening one (a template that starts the assistant's turn thinking), and ends at
+the closing tag; it is shown without the whitespace around it, and the content after it without
+the whitespace that follows the tag (the template's layout). An answer that ends while thinking
+(`max_tokens`) is reasoning alone. Without an opening tag at its start the whole answer is
+content, tags and all.
 """
 
 from __future__ import annotations
@@ -19,33 +22,47 @@ from typing import Any
 from .tags import until_tag
 
 THINK, UNTHINK = "<think>", "</think>"
+#: Gemma 4's thinking channel (its tags are special tokens of its tokenizer)
+CHANNEL, UNCHANNEL = "<|channel>thought", "<channel|>"
 
 
 class Reasoning(str):
     """A piece of an answer's reasoning (text; the type says where it goes)."""
 
 
-def reads_reasoning(served: Any) -> bool:
-    """Whether `served`'s answers are read for reasoning: its chat template writes both tags and
-    its tokenizer does not drop them from decoded text (special tokens)."""
+def reasoning_tags(served: Any) -> tuple[str, str] | None:
+    """The tags `served`'s answers are read for reasoning with, None when they are not read: Gemma
+    4's channel where its chat template writes it, else `<think>` and `</think>` where the template
+    writes both and the tokenizer does not drop them from decoded text (special tokens)."""
     template = None if served.kind == "bundled" else getattr(served.tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return None
+    if "<|channel>" in template and UNCHANNEL in template:
+        return CHANNEL, UNCHANNEL
     special = set(getattr(served.tokenizer, "all_special_tokens", ()))
-    return isinstance(template, str) and all(tag in template and tag not in special for tag in (THINK, UNTHINK))
+    return (THINK, UNTHINK) if all(tag in template and tag not in special for tag in (THINK, UNTHINK)) else None
 
 
-def opened_in(prompt: str) -> bool:
-    """Whether `prompt` (a rendered chat prompt) ends by opening `<think>` (a template that starts
-    the assistant's turn thinking): the answer starts inside its reasoning. Only the end counts: a
-    `<think>` a message wrote earlier in the conversation opens nothing."""
-    return prompt.rstrip().endswith(THINK)
+def opened_in(prompt: str, tags: tuple[str, str] = (THINK, UNTHINK)) -> bool:
+    """Whether `prompt` (a rendered chat prompt) ends by opening the reasoning (`tags[0]`: a
+    template that starts the assistant's turn thinking): the answer starts inside it. Only the end
+    counts: a tag a message wrote earlier in the conversation opens nothing."""
+    return prompt.rstrip().endswith(tags[0])
+
+
+def closing(tags: tuple[str, str]) -> str:
+    """What closes a reasoning block the prompt opened, empty, as the templates close one when
+    thinking is switched off (Qwen's `\n</think>\n\n`, Gemma 4's `<channel|>`)."""
+    return tags[1] if tags[1] == UNCHANNEL else f"\n{tags[1]}\n\n"
 
 
 class ReasoningReader:
     """An answer's text, fed piece by piece, as `Reasoning` and content pieces in order: what it
     gives for any split of the text is what it gives for the whole. `thinking`: the prompt ended
-    by opening `<think>` (`opened_in`)."""
+    by opening the reasoning (`opened_in`); `tags`: the reasoning's opening and closing tags."""
 
-    def __init__(self, thinking: bool = False) -> None:
+    def __init__(self, thinking: bool = False, tags: tuple[str, str] = (THINK, UNTHINK)) -> None:
+        self.open, self.close = tags
         self._state = "inside" if thinking else "start"
         self._held = ""
         self._leading = True  # the reasoning's first text is still to come: whitespace before it is layout
@@ -57,14 +74,14 @@ class ReasoningReader:
         while True:
             if self._state == "start":
                 bare = self._held.lstrip()
-                if not bare or (THINK.startswith(bare) and bare != THINK):  # may still open
+                if not bare or (self.open.startswith(bare) and bare != self.open):  # may still open
                     return out
-                if bare.startswith(THINK):
-                    self._held, self._state, self.reasoned = bare[len(THINK) :], "inside", True
+                if bare.startswith(self.open):
+                    self._held, self._state, self.reasoned = bare[len(self.open) :], "inside", True
                     continue
                 self._state = "content"
             if self._state == "inside":
-                ready, self._held, closed = until_tag(self._held, UNTHINK)
+                ready, self._held, closed = until_tag(self._held, self.close)
                 self._reason(out, ready)
                 if not closed:
                     return out

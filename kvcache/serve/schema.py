@@ -81,6 +81,7 @@ class Params:
     tools: list[dict[str, Any]] | None = None  # a chat's function tools, as its template takes them
     template_options: dict[str, Any] = field(default_factory=dict)  # a chat's `chat_template_kwargs`
     reasoning: bool | None = None  # a chat's answer read for reasoning (True: it starts thinking); None: not
+    reasoning_tags: tuple[str, str] | None = None  # the tags it is read with (`reasoning.reasoning_tags`)
     call_style: str | None = None  # how a chat offered tools writes calls (`tools.call_style`); None: no tools
     forced_tool: str | None = None  # a chat's forced `tool_choice`: None (the model chooses), "" (any tool), a name
     opening: str = ""  # what the chat's prompt ends with of its answer (a forced call's start: `tools.call_opening`)
