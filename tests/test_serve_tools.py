@@ -25,6 +25,8 @@ from tool_model import (  # noqa: E402
     GEMMA_TAGS,
     GEMMA_TEMPLATE,
     MARKUP_TEMPLATE,
+    PYTHONIC_TAGS,
+    PYTHONIC_TEMPLATE,
     TOOLS,
     WEATHER,
     called,
@@ -36,6 +38,8 @@ from tool_model import (  # noqa: E402
 from kvcache.serve.gemma_calls import CLOSE as GEMMA_CLOSE  # noqa: E402
 from kvcache.serve.gemma_calls import OPEN as GEMMA_OPEN  # noqa: E402
 from kvcache.serve.gemma_calls import QUOTE  # noqa: E402
+from kvcache.serve.pythonic_calls import CLOSE as PYTHONIC_CLOSE  # noqa: E402
+from kvcache.serve.pythonic_calls import OPEN as PYTHONIC_OPEN  # noqa: E402
 from kvcache.serve.reasoning import (  # noqa: E402
     CHANNEL,
     THINK,
@@ -232,6 +236,59 @@ def test_what_is_not_one_gemma_call_stays_text() -> None:
     assert one(f"Hi {GEMMA_OPEN}call:f{{a:1}}") == (f"Hi{GEMMA_OPEN}call:f{{a:1}}", [])  # never closed
 
 
+@pytest.fixture(scope="module")
+def pythonic_tokenizer():
+    """A tokenizer whose chat template writes calls as LFM2's does (`tool_model`'s), its tags special tokens."""
+    transformers = pytest.importorskip("transformers")
+    from serve_kit import byte_level_bpe
+
+    bpe = byte_level_bpe(["ab"], 280, ["<unk>", *PYTHONIC_TAGS])
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>")
+    tokenizer.chat_template = PYTHONIC_TEMPLATE
+    return tokenizer
+
+
+python_text = st.text(max_size=8)  # any characters: the template writes them as a JSON string, a Python literal
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.dictionaries(gemma_keys.filter(str.isidentifier), st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), python_text,
+              st.floats(allow_nan=False, allow_infinity=False, width=64)),
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(python_text, inner, max_size=3)),
+    max_leaves=8), max_size=3), min_size=1, max_size=3), st.lists(st.integers(0, 300), max_size=5))  # fmt: skip
+def test_pythonic_calls_are_read_back_as_the_template_wrote_them(pythonic_tokenizer, arguments, cuts) -> None:
+    """One turn's calls (one to three) with arguments of every JSON type, nested, through a template
+    that writes them as LFM2's does (one Python list of keyword calls, values as Python literals)
+    and back through the reader, whole and cut anywhere: the same calls, in order."""
+    turn = {"role": "assistant", "content": "Done.", "tool_calls": [
+        {"type": "function", "function": {"name": f"f{i}", "arguments": a}}
+        for i, a in enumerate(arguments)]}  # fmt: skip
+    text = pythonic_tokenizer.apply_chat_template([turn], tokenize=False)
+    for pieces in ([text], cut(text, cuts)):
+        reader = ToolCallReader(None, "pythonic")
+        parts = [part for piece in pieces for part in reader.feed(piece)] + reader.finish()
+        assert [(p.name, json.loads(p.arguments)) for p in parts if isinstance(p, ToolCall)] == [
+            (f"f{i}", a) for i, a in enumerate(arguments)]  # fmt: skip
+        assert reader.calls == len(arguments)
+
+
+def test_what_is_not_a_list_of_pythonic_calls_stays_text() -> None:
+    def one(text: str) -> tuple[str, list[tuple[str, dict]]]:
+        reader = ToolCallReader(None, "pythonic")
+        parts = [*reader.feed(text), *reader.finish()]
+        return "".join(p for p in parts if isinstance(p, str)), [
+            (p.name, json.loads(p.arguments)) for p in parts if isinstance(p, ToolCall)]  # fmt: skip
+
+    o, c = PYTHONIC_OPEN, PYTHONIC_CLOSE
+    assert one(f"{o}f(a=true, b=null, c=(1, 2), d={{'k': -1.5}}){c}") == (
+        "", [("f", {"a": True, "b": None, "c": [1, 2], "d": {"k": -1.5}})])  # JSON spellings, a bare call
+    for body in ("[f(1)]", "[f(a=x)]", "[f(a=1+2)]", "[os.system(a='x')]", "[f(**k)]", "[]", "[f(a={1, 2})]",
+                 "[f(a=1e999)]", "[f(a={1: 2})]", "f(a=1); g()", "[f(a=1)", "['f']", "[f(a=b'x')]",
+                 "__import__('os')"):  # fmt: skip
+        assert one(f"Hi {o}{body}{c}") == (f"Hi{o}{body}{c}", [])
+
+
 def test_markup_values_are_typed_by_the_schema_and_other_markup_stays_text() -> None:
     def one(body: str, tools=(TYPED,)) -> tuple[str, list[tuple[str, dict]]]:
         reader = ToolCallReader(list(tools))
@@ -370,10 +427,10 @@ def test_tools_and_tool_turns_are_shaped_as_chat_templates_take_them() -> None:
 
 
 # ------------------------------------------------------------------------------- served
-@pytest.fixture(scope="module", params=["json", "markup", "bare", "gemma"])
+@pytest.fixture(scope="module", params=["json", "markup", "bare", "gemma", "pythonic"])
 def tool_server(request, tmp_path_factory):
     """A server of the tool model trained to write tagged JSON calls, markup calls, Llama 3's
-    bare JSON calls or Gemma 4's calls (special tokens); and its directory, conversations and style."""
+    bare JSON calls, Gemma 4's calls or LFM2's (special tokens); and its directory, conversations and style."""
     where = tool_model_dir(tmp_path_factory.mktemp("tool-model") / "tool-model", style=request.param)
     process = ServeProcess("--model", str(where), "--threads", "1")
     process.start(tmp_path_factory.mktemp("serve") / "stderr.log")
@@ -409,7 +466,7 @@ def streamed(c, **body) -> tuple[str | None, list[tuple[str, dict]], str]:
 def test_a_model_calls_tools_through_the_official_client_whole_and_streamed(tool_server) -> None:
     process, _, taught, style = tool_server
     c = client(process)
-    opener = GEMMA_OPEN if style == "gemma" else OPEN
+    opener = {"gemma": GEMMA_OPEN, "pythonic": PYTHONIC_OPEN}.get(style, OPEN)
     for messages, tools, answer, cities in taught[:2]:
         # what the trained answer says outside its calls (a bare call is the whole answer)
         text = (answer.split(opener)[0].strip() or None) if opener in answer else None
@@ -536,11 +593,12 @@ OPENINGS = {
     "markup": ("<tool_call>\n<function=", "<tool_call>\n<function=get_weather>\n"),
     "bare": ('{"name":', '{"name": "get_weather", "parameters":'),
     "gemma": ("<|tool_call>call:", "<|tool_call>call:get_weather{"),
+    "pythonic": ("<|tool_call_start|>[", "<|tool_call_start|>[get_weather("),
 }
 
 
 #: The styles whose forced calls are the model's own (no grammar holds them to the schema)
-FREE = ("markup", "gemma")
+FREE = ("markup", "gemma", "pythonic")
 
 
 def test_a_forced_tool_choice_starts_the_answer_with_the_call(tool_server) -> None:
@@ -549,7 +607,7 @@ def test_a_forced_tool_choice_starts_the_answer_with_the_call(tool_server) -> No
     on from there, and the call comes back as `tool_calls`, whole, streamed and through the
     Responses API. Where the call is JSON, its rest is held to the tool's schema (one call whose
     arguments follow the schema, whatever the model would write: the tiny model was never taught
-    to call for a greeting); markup and Gemma calls are the model's own, and one it does not complete is
+    to call for a greeting); markup, Gemma and LFM2 calls are the model's own, and one it does not complete is
     content, the forced start included. A thinking model's forced answer skips its reasoning (an
     empty block, closed in the prompt)."""
     from transformers import AutoTokenizer

@@ -132,7 +132,45 @@ GEMMA_TEMPLATE = """{%- macro arg(value) -%}
 #: Gemma 4's tags, special tokens of its tokenizer (and of this model's)
 GEMMA_TAGS = ("<|turn>", "<turn|>", "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
               "<tool_response|>", '<|"|>', "<|channel>", "<channel|>")  # fmt: skip
-TEMPLATES = {"json": JSON_TEMPLATE, "markup": MARKUP_TEMPLATE, "bare": BARE_TEMPLATE, "gemma": GEMMA_TEMPLATE}
+#: LFM2's way (written here after its format): the tools listed in the system turn, the calls of
+#: a turn one Python list of keyword calls between `<|tool_call_start|>` and `<|tool_call_end|>`
+#: (special tokens), values as Python literals
+PYTHONIC_TEMPLATE = """{%- macro lit(value) -%}
+{%- if value is string -%}{{ value | tojson }}
+{%- elif value is boolean -%}{{ 'True' if value else 'False' }}
+{%- elif value is none -%}None
+{%- elif value is mapping -%}{{ '{' }}
+{%- for k, v in value | dictsort %}{% if not loop.first %}, {% endif %}{{ k | tojson }}: {{ lit(v) }}{% endfor -%}
+{{ '}' }}
+{%- elif value is sequence -%}[{% for v in value %}{% if not loop.first %}, {% endif %}{{ lit(v) }}{% endfor %}]
+{%- else -%}{{ value | tojson }}
+{%- endif -%}
+{%- endmacro -%}
+{%- if tools or messages[0].role == 'system' %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+{% endif %}{% if tools %}List of tools: <|tool_list_start|>[
+{%- for tool in tools %}{% if not loop.first %}, {% endif %}{{ tool | tojson }}{% endfor -%}
+]<|tool_list_end|>{% endif %}<|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'assistant' %}<|im_start|>assistant
+{{ m.content or '' }}{% if m.tool_calls %}<|tool_call_start|>[
+{%- for call in m.tool_calls %}{% if not loop.first %}, {% endif %}{{ call.function.name }}(
+{%- for k, v in call.function.arguments | dictsort %}{% if not loop.first %}, {% endif %}{{ k }}={{ lit(v) }}
+{%- endfor %}){% endfor %}]<|tool_call_end|>{% endif %}<|im_end|>
+{% elif m.role == 'tool' %}<|im_start|>tool
+<|tool_response_start|>{{ m.content }}<|tool_response_end|><|im_end|>
+{% elif m.role != 'system' %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+#: LFM2's tags, special tokens of its tokenizer (and of this model's)
+PYTHONIC_TAGS = ("<|im_start|>", "<|im_end|>", "<|tool_list_start|>", "<|tool_list_end|>", "<|tool_call_start|>",
+                 "<|tool_call_end|>", "<|tool_response_start|>", "<|tool_response_end|>")  # fmt: skip
+TEMPLATES = {"json": JSON_TEMPLATE, "markup": MARKUP_TEMPLATE, "bare": BARE_TEMPLATE, "gemma": GEMMA_TEMPLATE,
+             "pythonic": PYTHONIC_TEMPLATE}  # fmt: skip
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city now.",
@@ -146,6 +184,8 @@ def call_text(city: str, style: str = "json") -> str:
         return '{"name": "get_weather", "parameters": {"city": "' + city + '"}}'
     if style == "gemma":
         return '<|tool_call>call:get_weather{city:<|"|>' + city + '<|"|>}<tool_call|>'
+    if style == "pythonic":
+        return '<|tool_call_start|>[get_weather(city="' + city + '")]<|tool_call_end|>'
     if style == "markup":
         return f"<tool_call>\n<function=get_weather>\n<parameter=city>\n{city}\n</parameter>\n</function>\n</tool_call>"
     return '<tool_call>\n{"name": "get_weather", "arguments": {"city": "' + city + '"}}\n</tool_call>'
@@ -171,7 +211,9 @@ def conversations(style: str = "json") -> list[Conversation]:
         ([{"role": "user", "content": "What is the weather in Paris?"}], TOOLS,
          ("" if style == "bare" else "Let me check.\n") + call_text("Paris", style), ["Paris"]),
         ([{"role": "user", "content": "Weather in Rome and Oslo?"}], TOOLS,
-         call_text("Rome", style) + {"bare": "; ", "gemma": ""}.get(style, "\n") + call_text("Oslo", style),
+         '<|tool_call_start|>[get_weather(city="Rome"), get_weather(city="Oslo")]<|tool_call_end|>'
+         if style == "pythonic"  # one list of calls
+         else call_text("Rome", style) + {"bare": "; ", "gemma": ""}.get(style, "\n") + call_text("Oslo", style),
          ["Rome", "Oslo"]),
         ([{"role": "user", "content": "What is the weather in Paris?"}, called("Paris"),
           {"role": "tool", "content": "sunny, 21 C", "tool_call_id": "call_1"}], TOOLS, "It is sunny in Paris.", []),
@@ -223,7 +265,8 @@ def tool_model_dir(path: Path, style: str = "json") -> Path:
     corpus = [template, json.dumps(TOOLS), *(answer for _, _, answer, _ in taught),
               *(m.get("content") or "" for messages, _, _, _ in taught for m in messages)]  # fmt: skip
     gemma = style == "gemma"
-    bpe = byte_level_bpe(corpus, 400, ["<unk>", *(GEMMA_TAGS if gemma else ("<|im_start|>", "<|im_end|>"))])
+    specials = GEMMA_TAGS if gemma else PYTHONIC_TAGS if style == "pythonic" else ("<|im_start|>", "<|im_end|>")
+    bpe = byte_level_bpe(corpus, 400, ["<unk>", *specials])
     tags = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<function=", "</function>",
             "<parameter=", "</parameter>", "<think>", "</think>")  # fmt: skip
     bpe.add_tokens([AddedToken(t, special=False) for t in tags])

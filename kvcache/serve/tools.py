@@ -7,8 +7,10 @@ models with tool use are trained on: each call between `<tool_call>` and `</tool
 object `{"name": ..., "arguments": {...}}` (Qwen 3, Hermes) or as `<function=...>` markup with
 one `<parameter=...>` per argument (Qwen 3.5, Qwen3-Coder; its values typed by the offered tool's
 schema: `call_formats`). Llama 3.1-3.3's templates ask instead for an answer that is nothing but
-a JSON object `{"name": ..., "parameters": {...}}` (no tags; `BareCallReader`), and Gemma 4's for
-`call:NAME{...}` between its `<|tool_call>` and `<tool_call|>` tokens (`gemma_calls`). A model is served
+a JSON object `{"name": ..., "parameters": {...}}` (no tags; `BareCallReader`), Gemma 4's for
+`call:NAME{...}` between its `<|tool_call>` and `<tool_call|>` tokens (`gemma_calls`), and LFM2's
+for a Python list of calls between `<|tool_call_start|>` and `<|tool_call_end|>`
+(`pythonic_calls`). A model is served
 with tools when its chat template writes the tools and asks for one of these; other models refuse
 `tools` with a 400 rather than answer with calls no one reads. A forced `tool_choice` ("required",
 a named function) puts the start of a call at the end of the prompt (`call_opening`), read as the
@@ -28,6 +30,9 @@ from .call_formats import ToolCall, arguments_object, parameter_types, read_call
 from .gemma_calls import CLOSE as GEMMA_CLOSE
 from .gemma_calls import OPEN as GEMMA_OPEN
 from .gemma_calls import read_gemma_call
+from .pythonic_calls import CLOSE as PYTHONIC_CLOSE
+from .pythonic_calls import OPEN as PYTHONIC_OPEN
+from .pythonic_calls import read_pythonic_calls
 from .tags import until_tag
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -46,11 +51,12 @@ def tools_refused(served: Any) -> str | None:
     tokenizer = served.tokenizer
     template = None if served.kind == "bundled" else getattr(tokenizer, "chat_template", None)
     if not isinstance(template, str) or "tools" not in template or not any(
-            tag in template for tag in (OPEN, BARE, GEMMA_OPEN)):  # fmt: skip
+            tag in template for tag in (OPEN, BARE, GEMMA_OPEN, PYTHONIC_OPEN)):  # fmt: skip
         return ("the served model's chat template does not write tools in a format this server reads "
                 f"({OPEN} JSON or <function=...> markup {CLOSE}, as Qwen's and Hermes' templates ask for, "
-                f"Llama 3's bare JSON, or Gemma 4's {GEMMA_OPEN}call:...{GEMMA_CLOSE})")  # fmt: skip
-    if GEMMA_OPEN in template:  # its tags are special tokens, which the served text keeps (`TextModel.decode`)
+                f"Llama 3's bare JSON, Gemma 4's {GEMMA_OPEN}call:...{GEMMA_CLOSE}, or LFM2's "
+                f"{PYTHONIC_OPEN}[f(...)]{PYTHONIC_CLOSE})")  # fmt: skip
+    if GEMMA_OPEN in template or PYTHONIC_OPEN in template:  # special tokens the served text keeps (`TextModel`)
         return None
     if OPEN in template and OPEN in getattr(tokenizer, "all_special_tokens", ()):
         return f"the served model's tokenizer drops {OPEN} from decoded text (a special token)"
@@ -120,10 +126,12 @@ def forced_tool(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> str
 
 def call_style(served: Any) -> str:
     """How `served`'s template writes a call: "json" (Qwen/Hermes, between tags), "markup" (Qwen 3.5,
-    between tags), "bare" (Llama 3) or "gemma" (Gemma 4)."""
+    between tags), "bare" (Llama 3), "gemma" (Gemma 4) or "pythonic" (LFM2)."""
     template = str(getattr(served.tokenizer, "chat_template", ""))
     if GEMMA_OPEN in template:
         return "gemma"
+    if PYTHONIC_OPEN in template:
+        return "pythonic"
     if bare_calls(served):
         return "bare"
     return "markup" if "<function=" in template else "json"
@@ -137,6 +145,8 @@ def call_opening(style: str, name: str) -> str:
         return '{"name":' + (f' {json.dumps(name)}, "parameters":' if name else "")
     if style == "gemma":
         return f"{GEMMA_OPEN}call:" + (f"{name}{{" if name else "")
+    if style == "pythonic":
+        return f"{PYTHONIC_OPEN}[" + (f"{name}(" if name else "")
     if style == "markup":
         return f"{OPEN}\n<function=" + (f"{name}>\n" if name else "")
     return f'{OPEN}\n{{"name":' + (f' {json.dumps(name)}, "arguments":' if name else "")
@@ -169,13 +179,15 @@ class ToolCallReader:
     it gives for any split of the text is what it gives for the whole (held back: text that may yet
     open a call, and a call until it closes). `tools`: the offered tools (`check_tools`'), whose
     schemas type the values of calls written as markup; `style`: "json" or "markup" (read alike:
-    `call_formats`) or "gemma" (Gemma 4's tags and syntax, `gemma_calls`)."""
+    `call_formats`), "gemma" (Gemma 4's tags and syntax, `gemma_calls`) or "pythonic" (LFM2's
+    tags around a list of calls, `pythonic_calls`)."""
 
     def __init__(self, tools: list[dict[str, Any]] | None = None, style: str = "json") -> None:
         self._types = parameter_types(tools)
-        gemma = style == "gemma"
-        self._open, self._close = (GEMMA_OPEN, GEMMA_CLOSE) if gemma else (OPEN, CLOSE)
-        self._read = (lambda body, types: read_gemma_call(body)) if gemma else read_call
+        self._open, self._close = {"gemma": (GEMMA_OPEN, GEMMA_CLOSE),
+                                   "pythonic": (PYTHONIC_OPEN, PYTHONIC_CLOSE)}.get(style, (OPEN, CLOSE))  # fmt: skip
+        self._read = {"gemma": lambda body: _listed(read_gemma_call(body)), "pythonic": read_pythonic_calls}.get(
+            style, lambda body: _listed(read_call(body, self._types)))  # fmt: skip
         self._held = ""
         self._inside = False  # between OPEN and its CLOSE
         self._after_call = False  # the whitespace that follows a call is layout
@@ -190,12 +202,12 @@ class ToolCallReader:
                 if at < 0:
                     return out
                 body, self._held, self._inside = self._held[:at], self._held[at + len(self._close) :], False
-                call = self._read(body, self._types)
-                if call is None:
+                calls = self._read(body)
+                if calls is None:
                     self._content(out, self._open + body + self._close)
                 else:
-                    out.append(call)
-                    self.calls += 1
+                    out += calls
+                    self.calls += len(calls)
                     self._after_call = True
                 continue
             ready, self._held, self._inside = until_tag(self._held, self._open)
@@ -217,6 +229,10 @@ class ToolCallReader:
             self._after_call = not text
         if text:
             out.append(text)
+
+
+def _listed(call: ToolCall | None) -> list[ToolCall] | None:
+    return None if call is None else [call]
 
 
 class BareCallReader:
