@@ -180,16 +180,29 @@ def test_a_call_written_as_markup_is_read_back_as_the_template_wrote_it(markup_t
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("edit", arguments)]
 
 
-@pytest.fixture(scope="module")
-def gemma_tokenizer():
-    """A tokenizer whose chat template writes calls as Gemma 4's does (`tool_model`'s), its tags special tokens."""
+def styled_tokenizer(tags: tuple[str, ...], template: str) -> object:
+    """A tokenizer with `tags` as special tokens and `template` as its chat template."""
     transformers = pytest.importorskip("transformers")
     from serve_kit import byte_level_bpe
 
-    bpe = byte_level_bpe(["ab"], 280, ["<unk>", *GEMMA_TAGS])
+    bpe = byte_level_bpe(["ab"], 280, ["<unk>", *tags])
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>")
-    tokenizer.chat_template = GEMMA_TEMPLATE
+    tokenizer.chat_template = template
     return tokenizer
+
+
+def read_styled(text: str, style: str) -> tuple[str, list[tuple[str, dict]]]:
+    """The content and the calls a reader of `style` gives for `text`."""
+    reader = ToolCallReader(None, style)
+    parts = [*reader.feed(text), *reader.finish()]
+    return "".join(p for p in parts if isinstance(p, str)), [
+        (p.name, json.loads(p.arguments)) for p in parts if isinstance(p, ToolCall)]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gemma_tokenizer():
+    """A tokenizer whose chat template writes calls as Gemma 4's does (`tool_model`'s), its tags special tokens."""
+    return styled_tokenizer(GEMMA_TAGS, GEMMA_TEMPLATE)
 
 
 gemma_text = st.text(st.sampled_from('ab <>=/_\n"{}[]:,|'), max_size=10).filter(lambda t: QUOTE not in t)
@@ -221,10 +234,7 @@ def test_a_gemma_call_is_read_back_as_the_template_wrote_it(gemma_tokenizer, arg
 
 def test_what_is_not_one_gemma_call_stays_text() -> None:
     def one(text: str) -> tuple[str, list[tuple[str, dict]]]:
-        reader = ToolCallReader(None, "gemma")
-        parts = [*reader.feed(text), *reader.finish()]
-        return "".join(p for p in parts if isinstance(p, str)), [
-            (p.name, json.loads(p.arguments)) for p in parts if isinstance(p, ToolCall)]  # fmt: skip
+        return read_styled(text, "gemma")
 
     q = QUOTE
     assert one(f"{GEMMA_OPEN}call:f{{a:{q}x{q},b:[1, 2.5, true],c:{{d:null}}}}{GEMMA_CLOSE}") == (
@@ -239,13 +249,7 @@ def test_what_is_not_one_gemma_call_stays_text() -> None:
 @pytest.fixture(scope="module")
 def pythonic_tokenizer():
     """A tokenizer whose chat template writes calls as LFM2's does (`tool_model`'s), its tags special tokens."""
-    transformers = pytest.importorskip("transformers")
-    from serve_kit import byte_level_bpe
-
-    bpe = byte_level_bpe(["ab"], 280, ["<unk>", *PYTHONIC_TAGS])
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>")
-    tokenizer.chat_template = PYTHONIC_TEMPLATE
-    return tokenizer
+    return styled_tokenizer(PYTHONIC_TAGS, PYTHONIC_TEMPLATE)
 
 
 python_text = st.text(max_size=8)  # any characters: the template writes them as a JSON string, a Python literal
@@ -275,10 +279,7 @@ def test_pythonic_calls_are_read_back_as_the_template_wrote_them(pythonic_tokeni
 
 def test_what_is_not_a_list_of_pythonic_calls_stays_text() -> None:
     def one(text: str) -> tuple[str, list[tuple[str, dict]]]:
-        reader = ToolCallReader(None, "pythonic")
-        parts = [*reader.feed(text), *reader.finish()]
-        return "".join(p for p in parts if isinstance(p, str)), [
-            (p.name, json.loads(p.arguments)) for p in parts if isinstance(p, ToolCall)]  # fmt: skip
+        return read_styled(text, "pythonic")
 
     o, c = PYTHONIC_OPEN, PYTHONIC_CLOSE
     assert one(f"{o}f(a=true, b=null, c=(1, 2), d={{'k': -1.5}}){c}") == (

@@ -17,6 +17,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+#: How the ChatML templates below end: other roles' turns, then the assistant's, to be generated
+CHATML_TAIL = """{% elif m.role != 'system' %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
 TEMPLATE = """{%- if tools %}<|im_start|>system
 {% if messages[0].role == 'system' %}{{ messages[0].content }}
 {% endif %}# Tools
@@ -38,12 +45,7 @@ Call a tool as <tool_call>
 {{ m.content }}{% for call in m.tool_calls or [] %}<tool_call>
 @CALL@
 </tool_call>{% endfor %}<|im_end|>
-{% elif m.role != 'system' %}<|im_start|>{{ m.role }}
-{{ m.content }}<|im_end|>
-{% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
+""" + CHATML_TAIL
 #: Qwen 3's way: a JSON object per call
 JSON_TEMPLATE = TEMPLATE.replace("@CALL@", '{"name": "{{ call.function.name }}", "arguments": '
                                  '{{ call.function.arguments | tojson }}}')  # fmt: skip
@@ -160,12 +162,7 @@ PYTHONIC_TEMPLATE = """{%- macro lit(value) -%}
 {%- endfor %}){% endfor %}]<|tool_call_end|>{% endif %}<|im_end|>
 {% elif m.role == 'tool' %}<|im_start|>tool
 <|tool_response_start|>{{ m.content }}<|tool_response_end|><|im_end|>
-{% elif m.role != 'system' %}<|im_start|>{{ m.role }}
-{{ m.content }}<|im_end|>
-{% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
+""" + CHATML_TAIL
 #: LFM2's tags, special tokens of its tokenizer (and of this model's)
 PYTHONIC_TAGS = ("<|im_start|>", "<|im_end|>", "<|tool_list_start|>", "<|tool_list_end|>", "<|tool_call_start|>",
                  "<|tool_call_end|>", "<|tool_response_start|>", "<|tool_response_end|>")  # fmt: skip
