@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 
 import pytest
 from hypothesis import assume, given, settings
@@ -38,6 +39,7 @@ from tool_model import (  # noqa: E402
 from kvcache.serve.gemma_calls import CLOSE as GEMMA_CLOSE  # noqa: E402
 from kvcache.serve.gemma_calls import OPEN as GEMMA_OPEN  # noqa: E402
 from kvcache.serve.gemma_calls import QUOTE  # noqa: E402
+from kvcache.serve.mistral_calls import MistralCallReader  # noqa: E402
 from kvcache.serve.pythonic_calls import CLOSE as PYTHONIC_CLOSE  # noqa: E402
 from kvcache.serve.pythonic_calls import OPEN as PYTHONIC_OPEN  # noqa: E402
 from kvcache.serve.reasoning import (  # noqa: E402
@@ -290,6 +292,29 @@ def test_what_is_not_a_list_of_pythonic_calls_stays_text() -> None:
         assert one(f"Hi {o}{body}{c}") == (f"Hi{o}{body}{c}", [])
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(calls, min_size=1, max_size=3), st.booleans(), st.sampled_from(["", "Sure.", "Let me see.\n"]),
+       st.lists(st.integers(0, 200), max_size=5))  # fmt: skip
+def test_mistral_calls_run_to_the_answers_end_in_either_format(made, listed, before, cuts) -> None:
+    """What follows `[TOOL_CALLS]` to the end of the answer, written as v3 templates write it (a
+    JSON list) or as v11 ones do (`NAME[ARGS]{...}` after each `[TOOL_CALLS]`), cut anywhere: the
+    calls, and the text before them as content; each call with a nine-character id."""
+    if listed:
+        text = before + "[TOOL_CALLS] " + json.dumps([{"name": n, "arguments": a} for n, a in made])
+    else:
+        text = before + "".join(f"[TOOL_CALLS]{n}[ARGS]{json.dumps(a)}" for n, a in made)
+    for pieces in ([text], cut(text, cuts), list(text)):
+        reader = MistralCallReader()
+        parts = [part for piece in pieces for part in reader.feed(piece)] + reader.finish()
+        assert [(p.name, json.loads(p.arguments)) for p in parts if isinstance(p, ToolCall)] == made
+        assert "".join(p for p in parts if isinstance(p, str)) == before.rstrip()
+        assert all(re.fullmatch("[0-9a-z]{9}", p.shaped()["id"]) for p in parts if isinstance(p, ToolCall))
+    for body in ("f[ARGS]{", "f[ARGS][1]", "[1]", '{"name": 3}', "f g[ARGS]{}", '[{"name": "f"}] x', ""):
+        reader = MistralCallReader()
+        parts = [*reader.feed("Hi [TOOL_CALLS]" + body), *reader.finish()]
+        assert parts == ["Hi", "[TOOL_CALLS]" + body]  # not calls: the text as written
+
+
 def test_markup_values_are_typed_by_the_schema_and_other_markup_stays_text() -> None:
     def one(body: str, tools=(TYPED,)) -> tuple[str, list[tuple[str, dict]]]:
         reader = ToolCallReader(list(tools))
@@ -428,10 +453,11 @@ def test_tools_and_tool_turns_are_shaped_as_chat_templates_take_them() -> None:
 
 
 # ------------------------------------------------------------------------------- served
-@pytest.fixture(scope="module", params=["json", "markup", "bare", "gemma", "pythonic"])
+@pytest.fixture(scope="module", params=["json", "markup", "bare", "gemma", "pythonic", "mistral"])
 def tool_server(request, tmp_path_factory):
     """A server of the tool model trained to write tagged JSON calls, markup calls, Llama 3's
-    bare JSON calls, Gemma 4's calls or LFM2's (special tokens); and its directory, conversations and style."""
+    bare JSON calls, Gemma 4's, LFM2's or Mistral's calls (special tokens); and its directory, conversations
+    and style."""
     where = tool_model_dir(tmp_path_factory.mktemp("tool-model") / "tool-model", style=request.param)
     process = ServeProcess("--model", str(where), "--threads", "1")
     process.start(tmp_path_factory.mktemp("serve") / "stderr.log")
@@ -458,7 +484,7 @@ def streamed(c, **body) -> tuple[str | None, list[tuple[str, dict]], str]:
         if delta.content:
             content = (content or "") + delta.content
         for call in delta.tool_calls or []:
-            assert call.id.startswith("call_") and call.type == "function"
+            assert (call.id.startswith("call_") or re.fullmatch("[0-9a-z]{9}", call.id)) and call.type == "function"
             calls[call.index] = (call.function.name, json.loads(call.function.arguments))
         finish = chunk.choices[0].finish_reason or finish
     return content, [calls[i] for i in sorted(calls)], finish
@@ -467,7 +493,7 @@ def streamed(c, **body) -> tuple[str | None, list[tuple[str, dict]], str]:
 def test_a_model_calls_tools_through_the_official_client_whole_and_streamed(tool_server) -> None:
     process, _, taught, style = tool_server
     c = client(process)
-    opener = {"gemma": GEMMA_OPEN, "pythonic": PYTHONIC_OPEN}.get(style, OPEN)
+    opener = {"gemma": GEMMA_OPEN, "pythonic": PYTHONIC_OPEN, "mistral": "[TOOL_CALLS]"}.get(style, OPEN)
     for messages, tools, answer, cities in taught[:2]:
         # what the trained answer says outside its calls (a bare call is the whole answer)
         text = (answer.split(opener)[0].strip() or None) if opener in answer else None
@@ -505,6 +531,27 @@ def test_a_tool_result_is_answered_and_the_turns_are_rendered_as_the_template_do
     assert plain.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
     assert plain.choices[0].message.tool_calls is None
     assert taught[0][2] != plain.choices[0].message.content
+
+
+def test_the_calls_a_server_returns_go_back_with_their_results(tool_server) -> None:
+    """A client sends the answer's calls back as they came (their ids too) with a result for each:
+    the template takes them (Mistral's checks the ids: nine characters), and the prompt is its
+    rendering of that conversation."""
+    from transformers import AutoTokenizer
+
+    process, where, taught, _ = tool_server
+    c = client(process)
+    tokenizer = AutoTokenizer.from_pretrained(where)
+    messages, tools, _, cities = taught[1]
+    message = c.chat.completions.create(model="tool-model", messages=messages, tools=tools, temperature=0,
+                                        max_tokens=80).choices[0].message  # fmt: skip
+    assert [json.loads(t.function.arguments)["city"] for t in message.tool_calls] == cities
+    turns = [*messages, message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}),
+             *({"role": "tool", "content": "rain", "tool_call_id": t.id} for t in message.tool_calls)]  # fmt: skip
+    answer = c.chat.completions.create(model="tool-model", messages=turns, tools=tools, temperature=0, max_tokens=4)
+    prompt = tokenizer.apply_chat_template(template_messages(turns), tools=tools, tokenize=False,
+                                           add_generation_prompt=True)  # fmt: skip
+    assert answer.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
 
 
 def test_a_model_without_a_tool_format_refuses_tools_and_tool_turns(bundled_server) -> None:
@@ -595,11 +642,12 @@ OPENINGS = {
     "bare": ('{"name":', '{"name": "get_weather", "parameters":'),
     "gemma": ("<|tool_call>call:", "<|tool_call>call:get_weather{"),
     "pythonic": ("<|tool_call_start|>[", "<|tool_call_start|>[get_weather("),
+    "mistral": ("[TOOL_CALLS]", "[TOOL_CALLS]get_weather[ARGS]"),
 }
 
 
 #: The styles whose forced calls are the model's own (no grammar holds them to the schema)
-FREE = ("markup", "gemma", "pythonic")
+FREE = ("markup", "gemma", "pythonic", "mistral")
 
 
 def test_a_forced_tool_choice_starts_the_answer_with_the_call(tool_server) -> None:
@@ -608,7 +656,8 @@ def test_a_forced_tool_choice_starts_the_answer_with_the_call(tool_server) -> No
     on from there, and the call comes back as `tool_calls`, whole, streamed and through the
     Responses API. Where the call is JSON, its rest is held to the tool's schema (one call whose
     arguments follow the schema, whatever the model would write: the tiny model was never taught
-    to call for a greeting); markup, Gemma and LFM2 calls are the model's own, and one it does not complete is
+    to call for a greeting); markup, Gemma, LFM2 and Mistral calls are the model's own, and one it does not
+    complete is
     content, the forced start included. A thinking model's forced answer skips its reasoning (an
     empty block, closed in the prompt)."""
     from transformers import AutoTokenizer

@@ -166,8 +166,30 @@ PYTHONIC_TEMPLATE = """{%- macro lit(value) -%}
 #: LFM2's tags, special tokens of its tokenizer (and of this model's)
 PYTHONIC_TAGS = ("<|im_start|>", "<|im_end|>", "<|tool_list_start|>", "<|tool_list_end|>", "<|tool_call_start|>",
                  "<|tool_call_end|>", "<|tool_response_start|>", "<|tool_response_end|>")  # fmt: skip
+#: Mistral's way (written here after its v11 format): the tools before the first instruction,
+#: each call `[TOOL_CALLS]NAME[ARGS]{...}` up to the end of the turn (no closing tag), the ids of
+#: calls sent back checked to be nine characters, as Mistral's templates check them
+MISTRAL_TEMPLATE = """{%- if messages[0].role == 'system' %}{% set system = messages[0].content %}
+{%- set messages = messages[1:] %}{% else %}{% set system = '' %}{% endif -%}
+<s>{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}
+{%- if system %}[SYSTEM_PROMPT]{{ system }}[/SYSTEM_PROMPT]{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'user' %}[INST]{{ m.content }}[/INST]
+{%- elif m.role == 'assistant' %}{{ m.content or '' }}
+{%- for call in m.tool_calls or [] %}
+{%- if call.id is not string or call.id | length != 9 %}{{ raise_exception('call ids have 9 characters') }}
+{%- endif -%}
+[TOOL_CALLS]{{ call.function.name }}[ARGS]{{ call.function.arguments | tojson }}{% endfor %}</s>
+{%- elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]
+{%- endif %}
+{%- endfor %}"""
+#: Mistral's control tokens, special tokens of its tokenizer (and of this model's)
+MISTRAL_TAGS = ("<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]", "[ARGS]",
+                "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]")  # fmt: skip
 TEMPLATES = {"json": JSON_TEMPLATE, "markup": MARKUP_TEMPLATE, "bare": BARE_TEMPLATE, "gemma": GEMMA_TEMPLATE,
-             "pythonic": PYTHONIC_TEMPLATE}  # fmt: skip
+             "pythonic": PYTHONIC_TEMPLATE, "mistral": MISTRAL_TEMPLATE}  # fmt: skip
+#: The id of the call a taught conversation sends back (Mistral's templates take nine characters)
+CALL_IDS = {"mistral": "call00001"}
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city now.",
@@ -183,6 +205,8 @@ def call_text(city: str, style: str = "json") -> str:
         return '<|tool_call>call:get_weather{city:<|"|>' + city + '<|"|>}<tool_call|>'
     if style == "pythonic":
         return '<|tool_call_start|>[get_weather(city="' + city + '")]<|tool_call_end|>'
+    if style == "mistral":
+        return '[TOOL_CALLS]get_weather[ARGS]{"city": "' + city + '"}'
     if style == "markup":
         return f"<tool_call>\n<function=get_weather>\n<parameter=city>\n{city}\n</parameter>\n</function>\n</tool_call>"
     return '<tool_call>\n{"name": "get_weather", "arguments": {"city": "' + city + '"}}\n</tool_call>'
@@ -204,16 +228,18 @@ Conversation = tuple[list[dict[str, Any]], list[dict[str, Any]] | None, str, lis
 def conversations(style: str = "json") -> list[Conversation]:
     """What the model is trained to answer, its calls written in `style` (a bare call is the whole
     answer: no text before it; two are separated by `;`)."""
+    call_id = CALL_IDS.get(style, "call_1")
     return [
         ([{"role": "user", "content": "What is the weather in Paris?"}], TOOLS,
          ("" if style == "bare" else "Let me check.\n") + call_text("Paris", style), ["Paris"]),
         ([{"role": "user", "content": "Weather in Rome and Oslo?"}], TOOLS,
          '<|tool_call_start|>[get_weather(city="Rome"), get_weather(city="Oslo")]<|tool_call_end|>'
          if style == "pythonic"  # one list of calls
-         else call_text("Rome", style) + {"bare": "; ", "gemma": ""}.get(style, "\n") + call_text("Oslo", style),
+         else call_text("Rome", style) + {"bare": "; ", "gemma": "", "mistral": ""}.get(style, "\n")
+         + call_text("Oslo", style),
          ["Rome", "Oslo"]),
-        ([{"role": "user", "content": "What is the weather in Paris?"}, called("Paris"),
-          {"role": "tool", "content": "sunny, 21 C", "tool_call_id": "call_1"}], TOOLS, "It is sunny in Paris.", []),
+        ([{"role": "user", "content": "What is the weather in Paris?"}, called("Paris", call_id),
+          {"role": "tool", "content": "sunny, 21 C", "tool_call_id": call_id}], TOOLS, "It is sunny in Paris.", []),
         ([{"role": "user", "content": "Say hello."}], None, "Hello there!", []),
     ] + ([  # the markup template thinks: the prompt opens <think> for a message that starts "Think"
         ([{"role": "user", "content": "Think, then greet me."}], None, "A greeting is wanted.\n</think>\n\nHi!", []),
@@ -261,13 +287,13 @@ def tool_model_dir(path: Path, style: str = "json") -> Path:
     template, taught = TEMPLATES[style], conversations(style)
     corpus = [template, json.dumps(TOOLS), *(answer for _, _, answer, _ in taught),
               *(m.get("content") or "" for messages, _, _, _ in taught for m in messages)]  # fmt: skip
-    gemma = style == "gemma"
-    specials = GEMMA_TAGS if gemma else PYTHONIC_TAGS if style == "pythonic" else ("<|im_start|>", "<|im_end|>")
+    specials = {"gemma": GEMMA_TAGS, "pythonic": PYTHONIC_TAGS, "mistral": MISTRAL_TAGS}.get(
+        style, ("<|im_start|>", "<|im_end|>"))  # fmt: skip
     bpe = byte_level_bpe(corpus, 400, ["<unk>", *specials])
     tags = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<function=", "</function>",
             "<parameter=", "</parameter>", "<think>", "</think>")  # fmt: skip
     bpe.add_tokens([AddedToken(t, special=False) for t in tags])
-    end = "<turn|>" if gemma else "<|im_end|>"
+    end = {"gemma": "<turn|>", "mistral": "</s>"}.get(style, "<|im_end|>")
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=end, unk_token="<unk>",
                                                      pad_token="<unk>")  # fmt: skip
     tokenizer.chat_template = template

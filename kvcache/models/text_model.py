@@ -29,9 +29,10 @@ from . import default
 ROLES = ("system", "user", "assistant")
 #: Special tokens decoded text keeps (every other special token is dropped): Gemma 4's tool-call
 #: tags and string quote, which the server reads calls out of (`serve.gemma_calls`), and the tags
-#: of its thinking channel (`serve.reasoning`); LFM2's tool-call tags (`serve.pythonic_calls`)
+#: of its thinking channel (`serve.reasoning`); LFM2's tool-call tags (`serve.pythonic_calls`);
+#: Mistral's (`serve.mistral_calls`)
 KEPT_SPECIAL = ("<|tool_call>", "<tool_call|>", '<|"|>', "<|channel>", "<channel|>", "<|tool_call_start|>",
-                "<|tool_call_end|>")  # fmt: skip
+                "<|tool_call_end|>", "[TOOL_CALLS]", "[ARGS]")  # fmt: skip
 
 
 @dataclass

@@ -32,14 +32,17 @@ _PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 
 @dataclass
 class ToolCall:
-    """One call the model wrote: a function's name and its arguments (JSON text of an object)."""
+    """One call the model wrote: a function's name and its arguments (JSON text of an object);
+    `short_id`: its id is nine letters and digits, as Mistral's templates require of the calls
+    sent back to them (else OpenAI's `call_...`)."""
 
     name: str
     arguments: str
+    short_id: bool = False
 
     def shaped(self, index: int | None = None) -> dict[str, Any]:
         """The call as OpenAI writes it (with its `index` in a stream's delta)."""
-        out = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+        out = {"id": uuid.uuid4().hex[:9] if self.short_id else f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                "function": {"name": self.name, "arguments": self.arguments}}  # fmt: skip
         return out if index is None else {"index": index, **out}
 

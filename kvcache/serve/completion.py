@@ -17,6 +17,7 @@ from ..generation.detokenize import Detokenizer
 from .engine import Request
 from .events import asyncio_sink
 from .logprobs import TokenLogprobs, chat_logprobs, completion_logprobs, echoed_logprobs, joined
+from .mistral_calls import MistralCallReader
 from .reasoning import THINK, UNTHINK, Reasoning, ReasoningReader
 from .schema import ApiError
 from .served import ServedModel
@@ -57,9 +58,10 @@ as its tokens; `closing`: what the answer's grammar left for the template to wri
         self.logprobs: list[TokenLogprobs] = []  # the tokens' log probabilities, when the request asked
         self._offset = (0, len(echo or ""))  # (tokens shaped so far, where their text ends), for text_offset
         self.detokenizer = Detokenizer(served.decode, served.token_bytes)
-        self.calls: ToolCallReader | BareCallReader | None = None  # a chat offered tools: its text may hold calls
+        self.calls: ToolCallReader | BareCallReader | MistralCallReader | None = None  # offered tools: calls?
         if tools is not None:
-            self.calls = BareCallReader() if call_style == "bare" else ToolCallReader(tools, call_style or "json")
+            self.calls = (BareCallReader() if call_style == "bare" else MistralCallReader()
+                          if call_style in ("mistral", "mistral-args") else ToolCallReader(tools, call_style or "json"))
         self.reasoning = None if reasoning is None else ReasoningReader(reasoning, reasoning_tags or (THINK, UNTHINK))
         self._opening, self._closing = opening, closing  # (read with the first text, and at a grammar's end)
 

@@ -10,7 +10,7 @@ schema: `call_formats`). Llama 3.1-3.3's templates ask instead for an answer tha
 a JSON object `{"name": ..., "parameters": {...}}` (no tags; `BareCallReader`), Gemma 4's for
 `call:NAME{...}` between its `<|tool_call>` and `<tool_call|>` tokens (`gemma_calls`), and LFM2's
 for a Python list of calls between `<|tool_call_start|>` and `<|tool_call_end|>`
-(`pythonic_calls`). A model is served
+(`pythonic_calls`), and Mistral's for what follows `[TOOL_CALLS]` (`mistral_calls`). A model is served
 with tools when its chat template writes the tools and asks for one of these; other models refuse
 `tools` with a 400 rather than answer with calls no one reads. A forced `tool_choice` ("required",
 a named function) puts the start of a call at the end of the prompt (`call_opening`), read as the
@@ -30,6 +30,8 @@ from .call_formats import ToolCall, arguments_object, parameter_types, read_call
 from .gemma_calls import CLOSE as GEMMA_CLOSE
 from .gemma_calls import OPEN as GEMMA_OPEN
 from .gemma_calls import read_gemma_call
+from .mistral_calls import ARGS as MISTRAL_ARGS
+from .mistral_calls import OPEN as MISTRAL_OPEN
 from .pythonic_calls import CLOSE as PYTHONIC_CLOSE
 from .pythonic_calls import OPEN as PYTHONIC_OPEN
 from .pythonic_calls import read_pythonic_calls
@@ -51,12 +53,12 @@ def tools_refused(served: Any) -> str | None:
     tokenizer = served.tokenizer
     template = None if served.kind == "bundled" else getattr(tokenizer, "chat_template", None)
     if not isinstance(template, str) or "tools" not in template or not any(
-            tag in template for tag in (OPEN, BARE, GEMMA_OPEN, PYTHONIC_OPEN)):  # fmt: skip
+            tag in template for tag in (OPEN, BARE, GEMMA_OPEN, PYTHONIC_OPEN, MISTRAL_OPEN)):  # fmt: skip
         return ("the served model's chat template does not write tools in a format this server reads "
                 f"({OPEN} JSON or <function=...> markup {CLOSE}, as Qwen's and Hermes' templates ask for, "
-                f"Llama 3's bare JSON, Gemma 4's {GEMMA_OPEN}call:...{GEMMA_CLOSE}, or LFM2's "
-                f"{PYTHONIC_OPEN}[f(...)]{PYTHONIC_CLOSE})")  # fmt: skip
-    if GEMMA_OPEN in template or PYTHONIC_OPEN in template:  # special tokens the served text keeps (`TextModel`)
+                f"Llama 3's bare JSON, Gemma 4's {GEMMA_OPEN}call:...{GEMMA_CLOSE}, LFM2's "
+                f"{PYTHONIC_OPEN}[f(...)]{PYTHONIC_CLOSE}, or Mistral's {MISTRAL_OPEN})")  # fmt: skip
+    if any(tag in template for tag in (GEMMA_OPEN, PYTHONIC_OPEN, MISTRAL_OPEN)):  # special tokens the text keeps
         return None
     if OPEN in template and OPEN in getattr(tokenizer, "all_special_tokens", ()):
         return f"the served model's tokenizer drops {OPEN} from decoded text (a special token)"
@@ -126,8 +128,11 @@ def forced_tool(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> str
 
 def call_style(served: Any) -> str:
     """How `served`'s template writes a call: "json" (Qwen/Hermes, between tags), "markup" (Qwen 3.5,
-    between tags), "bare" (Llama 3), "gemma" (Gemma 4) or "pythonic" (LFM2)."""
+    between tags), "bare" (Llama 3), "gemma" (Gemma 4), "pythonic" (LFM2), "mistral" (Mistral's v3
+    templates: a JSON list) or "mistral-args" (v11 and later: `NAME[ARGS]{...}`)."""
     template = str(getattr(served.tokenizer, "chat_template", ""))
+    if MISTRAL_OPEN in template:
+        return "mistral-args" if MISTRAL_ARGS in template else "mistral"
     if GEMMA_OPEN in template:
         return "gemma"
     if PYTHONIC_OPEN in template:
@@ -147,6 +152,10 @@ def call_opening(style: str, name: str) -> str:
         return f"{GEMMA_OPEN}call:" + (f"{name}{{" if name else "")
     if style == "pythonic":
         return f"{PYTHONIC_OPEN}[" + (f"{name}(" if name else "")
+    if style == "mistral-args":
+        return MISTRAL_OPEN + (f"{name}{MISTRAL_ARGS}" if name else "")
+    if style == "mistral":
+        return f'{MISTRAL_OPEN} [{{"name":' + (f' {json.dumps(name)}, "arguments":' if name else "")
     if style == "markup":
         return f"{OPEN}\n<function=" + (f"{name}>\n" if name else "")
     return f'{OPEN}\n{{"name":' + (f' {json.dumps(name)}, "arguments":' if name else "")
