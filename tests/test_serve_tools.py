@@ -211,9 +211,18 @@ gemma_text = st.text(st.sampled_from('ab <>=/_\n"{}[]:,|'), max_size=10).filter(
 gemma_leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), gemma_text,
                        st.floats(allow_nan=False, allow_infinity=False, width=64))  # fmt: skip
 gemma_keys = st.text(st.sampled_from("abcxyz_09"), min_size=1, max_size=6)
-gemma_values = st.recursive(gemma_leaf, lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                                                  st.dictionaries(gemma_keys, inner, max_size=3)),
-                            max_leaves=8)  # fmt: skip
+
+
+def nested(keys: st.SearchStrategy[str]):  # (a named function: hypothesis reads a lambda's source to see it recurse)
+    """Lists and objects (keys from `keys`) of what the strategy `inner` makes."""
+
+    def extend(inner: st.SearchStrategy) -> st.SearchStrategy:
+        return st.one_of(st.lists(inner, max_size=3), st.dictionaries(keys, inner, max_size=3))
+
+    return extend
+
+
+gemma_values = st.recursive(gemma_leaf, nested(gemma_keys), max_leaves=8)
 
 
 @settings(max_examples=100, deadline=None)
@@ -261,7 +270,7 @@ python_text = st.text(max_size=8)  # any characters: the template writes them as
 @given(st.lists(st.dictionaries(gemma_keys.filter(str.isidentifier), st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), python_text,
               st.floats(allow_nan=False, allow_infinity=False, width=64)),
-    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(python_text, inner, max_size=3)),
+    nested(python_text),
     max_leaves=8), max_size=3), min_size=1, max_size=3), st.lists(st.integers(0, 300), max_size=5))  # fmt: skip
 def test_pythonic_calls_are_read_back_as_the_template_wrote_them(pythonic_tokenizer, arguments, cuts) -> None:
     """One turn's calls (one to three) with arguments of every JSON type, nested, through a template
