@@ -324,6 +324,33 @@ def test_mistral_calls_run_to_the_answers_end_in_either_format(made, listed, bef
         assert parts == ["Hi", "[TOOL_CALLS]" + body]  # not calls: the text as written
 
 
+@pytest.mark.parametrize("template, style", [
+    ('{% for tool in tools %}{{ tool | tojson }}{% endfor %}<tool_call>\n{"name": <name>}</tool_call>', "json"),
+    ("{{ tools }}<tool_call>\n<function=<name>>\n</function>\n</tool_call>", "markup"),
+    ('{{ tools }}Respond in the format {"name": function name, "parameters": dictionary of argument name and its '
+     'value}.', "bare"),
+    ("{{ tools }}{{ '<|tool_call>call:' + name }}{{ args }}{{ '<tool_call|>' }}", "gemma"),
+    ('{% if tools %}List of tools: <|tool_list_start|>{{ tools | tojson }}<|tool_list_end|>{% endif %}', "pythonic"),
+    ("{{ tools }}<|tool_call_start|>[{{ name }}()]<|tool_call_end|>", "pythonic"),
+    ("[AVAILABLE_TOOLS]{{ tools }}[/AVAILABLE_TOOLS][TOOL_CALLS] [", "mistral"),
+    ("[AVAILABLE_TOOLS]{{ tools }}[/AVAILABLE_TOOLS][TOOL_CALLS]{{ name }}[ARGS]", "mistral-args"),
+    ("{{ tools }}{% for m in messages %}{{ m.content }}{% endfor %}", None),
+    ("{% for m in messages %}<tool_call>{{ m.content }}{% endfor %}", None),
+])  # fmt: skip
+def test_each_template_is_served_in_the_call_format_it_writes(template, style) -> None:
+    """Which format a chat template's calls are read in (fragments as each family's templates write
+    them; LFM2's may write the tool list alone), and a template that writes none refuses tools."""
+    from types import SimpleNamespace
+
+    from kvcache.serve.tools import call_style, tools_refused
+
+    served = SimpleNamespace(kind="transformers", tokenizer=SimpleNamespace(chat_template=template,
+                                                                            all_special_tokens=[]))  # fmt: skip
+    assert (tools_refused(served) is None) == (style is not None)
+    if style is not None:
+        assert call_style(served) == style
+
+
 def test_markup_values_are_typed_by_the_schema_and_other_markup_stays_text() -> None:
     def one(body: str, tools=(TYPED,)) -> tuple[str, list[tuple[str, dict]]]:
         reader = ToolCallReader(list(tools))

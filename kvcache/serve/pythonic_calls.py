@@ -17,6 +17,8 @@ from typing import Any
 from .call_formats import ToolCall
 
 OPEN, CLOSE = "<|tool_call_start|>", "<|tool_call_end|>"
+#: What LFM2's templates wrap the offered tools in (some write no call themselves: this marks them)
+TOOL_LIST = "<|tool_list_start|>"
 _JSON_WORDS = {"true": True, "false": False, "null": None}
 
 

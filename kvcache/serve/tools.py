@@ -34,7 +34,7 @@ from .mistral_calls import ARGS as MISTRAL_ARGS
 from .mistral_calls import OPEN as MISTRAL_OPEN
 from .pythonic_calls import CLOSE as PYTHONIC_CLOSE
 from .pythonic_calls import OPEN as PYTHONIC_OPEN
-from .pythonic_calls import read_pythonic_calls
+from .pythonic_calls import TOOL_LIST, read_pythonic_calls
 from .tags import until_tag
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -53,12 +53,12 @@ def tools_refused(served: Any) -> str | None:
     tokenizer = served.tokenizer
     template = None if served.kind == "bundled" else getattr(tokenizer, "chat_template", None)
     if not isinstance(template, str) or "tools" not in template or not any(
-            tag in template for tag in (OPEN, BARE, GEMMA_OPEN, PYTHONIC_OPEN, MISTRAL_OPEN)):  # fmt: skip
+            tag in template for tag in (OPEN, BARE, GEMMA_OPEN, PYTHONIC_OPEN, TOOL_LIST, MISTRAL_OPEN)):  # fmt: skip
         return ("the served model's chat template does not write tools in a format this server reads "
                 f"({OPEN} JSON or <function=...> markup {CLOSE}, as Qwen's and Hermes' templates ask for, "
                 f"Llama 3's bare JSON, Gemma 4's {GEMMA_OPEN}call:...{GEMMA_CLOSE}, LFM2's "
                 f"{PYTHONIC_OPEN}[f(...)]{PYTHONIC_CLOSE}, or Mistral's {MISTRAL_OPEN})")  # fmt: skip
-    if any(tag in template for tag in (GEMMA_OPEN, PYTHONIC_OPEN, MISTRAL_OPEN)):  # special tokens the text keeps
+    if any(tag in template for tag in (GEMMA_OPEN, PYTHONIC_OPEN, TOOL_LIST, MISTRAL_OPEN)):  # tags the text keeps
         return None
     if OPEN in template and OPEN in getattr(tokenizer, "all_special_tokens", ()):
         return f"the served model's tokenizer drops {OPEN} from decoded text (a special token)"
@@ -135,7 +135,7 @@ def call_style(served: Any) -> str:
         return "mistral-args" if MISTRAL_ARGS in template else "mistral"
     if GEMMA_OPEN in template:
         return "gemma"
-    if PYTHONIC_OPEN in template:
+    if PYTHONIC_OPEN in template or TOOL_LIST in template:
         return "pythonic"
     if bare_calls(served):
         return "bare"
