@@ -141,7 +141,7 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
             if params.forced_tool is not None or params.grammar is not None:
                 # the answer starts with the call, or is held to a format: no reasoning (an empty thought)
                 if params.forced_tool is not None:  # (the tools' schemas hold the call's rest, where they can)
-                    style = call_style(served)  # (forced: tools offered)
+                    style = params.call_style or "json"  # (a forced call: tools offered)
                     params.opening = call_opening(style, params.forced_tool)
                     params.grammar = call_grammar(style, params.tools or [], params.forced_tool)
                     params.closing = "\n" + CLOSE if params.grammar is not None and style == "json" else ""

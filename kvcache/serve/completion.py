@@ -17,11 +17,10 @@ from ..generation.detokenize import Detokenizer
 from .engine import Request
 from .events import asyncio_sink
 from .logprobs import TokenLogprobs, chat_logprobs, completion_logprobs, echoed_logprobs, joined
-from .mistral_calls import MistralCallReader
 from .reasoning import THINK, UNTHINK, Reasoning, ReasoningReader
 from .schema import ApiError
 from .served import ServedModel
-from .tools import BareCallReader, ToolCall, ToolCallReader
+from .tools import CallReader, ToolCall, call_reader
 
 #: How often a non-streamed answer checks whether its client is still there (seconds).
 DISCONNECT_POLL_S = 0.1
@@ -34,9 +33,8 @@ class Completion:
     completion's text starts with (its tokens' log probabilities come first too, when asked). A chat
 answer is read for `tools` calls (the offered tools, None: none) and for `reasoning` (None: not
 read; else whether the prompt left the model thinking, `reasoning.opened_in`, with `reasoning_tags`);
-`call_style`: how
-the model writes calls (`tools.call_style`: Llama 3's "bare" ones are read by `tools.BareCallReader`,
-the others by `tools.ToolCallReader`); `opening`: the answer's start that the
+`call_style`: how the model writes calls (`tools.call_style`, read by `tools.call_reader`'s reader);
+`opening`: the answer's start that the
 prompt already holds (a forced call's, `tools.call_opening`), read as the answer's but not counted
 as its tokens; `closing`: what the answer's grammar left for the template to write once it ended
 ("stop"), read as the answer's end (a forced call's closing tag)."""
@@ -58,10 +56,8 @@ as its tokens; `closing`: what the answer's grammar left for the template to wri
         self.logprobs: list[TokenLogprobs] = []  # the tokens' log probabilities, when the request asked
         self._offset = (0, len(echo or ""))  # (tokens shaped so far, where their text ends), for text_offset
         self.detokenizer = Detokenizer(served.decode, served.token_bytes)
-        self.calls: ToolCallReader | BareCallReader | MistralCallReader | None = None  # offered tools: calls?
-        if tools is not None:
-            self.calls = (BareCallReader() if call_style == "bare" else MistralCallReader()
-                          if call_style in ("mistral", "mistral-args") else ToolCallReader(tools, call_style or "json"))
+        # a chat offered tools: its text may hold calls
+        self.calls: CallReader | None = None if tools is None else call_reader(call_style or "json", tools)
         self.reasoning = None if reasoning is None else ReasoningReader(reasoning, reasoning_tags or (THINK, UNTHINK))
         self._opening, self._closing = opening, closing  # (read with the first text, and at a grammar's end)
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, Protocol
 
 from .api_error import ApiError
 from .call_formats import ToolCall, arguments_object, parameter_types, read_call
@@ -32,6 +32,7 @@ from .gemma_calls import OPEN as GEMMA_OPEN
 from .gemma_calls import read_gemma_call
 from .mistral_calls import ARGS as MISTRAL_ARGS
 from .mistral_calls import OPEN as MISTRAL_OPEN
+from .mistral_calls import MistralCallReader
 from .pythonic_calls import CLOSE as PYTHONIC_CLOSE
 from .pythonic_calls import OPEN as PYTHONIC_OPEN
 from .pythonic_calls import TOOL_LIST, read_pythonic_calls
@@ -238,6 +239,26 @@ class ToolCallReader:
             self._after_call = not text
         if text:
             out.append(text)
+
+
+class CallReader(Protocol):
+    """What reads an answer's calls out of its text (`ToolCallReader`, `BareCallReader`,
+    `mistral_calls.MistralCallReader`): content pieces and calls in order, piece by piece."""
+
+    calls: int
+
+    def feed(self, text: str) -> list[str | ToolCall]: ...
+
+    def finish(self) -> list[str | ToolCall]: ...
+
+
+def call_reader(style: str, tools: list[dict[str, Any]] | None) -> CallReader:
+    """The reader of the calls a model writes in `style` (`call_style`), `tools` offered."""
+    if style == "bare":
+        return BareCallReader()
+    if style in ("mistral", "mistral-args"):
+        return MistralCallReader()
+    return ToolCallReader(tools, style)
 
 
 def _listed(call: ToolCall | None) -> list[ToolCall] | None:
