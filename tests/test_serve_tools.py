@@ -43,6 +43,8 @@ from kvcache.serve.mistral_calls import MistralCallReader  # noqa: E402
 from kvcache.serve.pythonic_calls import CLOSE as PYTHONIC_CLOSE  # noqa: E402
 from kvcache.serve.pythonic_calls import OPEN as PYTHONIC_OPEN  # noqa: E402
 from kvcache.serve.reasoning import (  # noqa: E402
+    BRACKET_THINK,
+    BRACKET_UNTHINK,
     CHANNEL,
     THINK,
     UNCHANNEL,
@@ -381,14 +383,15 @@ def reasoned(pieces: list[str], thinking: bool = False, tags: tuple[str, str] = 
 
 
 spaces = st.sampled_from(["", " ", "\n", "\n\n", " \n "])
-said = st.text(st.sampled_from("ab <>/|\nthinkchanel"), max_size=14)
+said = st.text(st.sampled_from("ab <>/|[]\nthinkchanelTHINK"), max_size=14)
 
 
 @st.composite
 def thoughts(draw) -> tuple[str, bool, str, str, tuple[str, str]]:
     """An answer, whether its prompt opened its reasoning, its reasoning and content as the module
     docstring of `kvcache.serve.reasoning` defines them, and the tags (Qwen's or Gemma 4's)."""
-    think, unthink = tags = draw(st.sampled_from([(THINK, UNTHINK), (CHANNEL, UNCHANNEL)]))
+    think, unthink = tags = draw(st.sampled_from([(THINK, UNTHINK), (CHANNEL, UNCHANNEL),
+                                                  (BRACKET_THINK, BRACKET_UNTHINK)]))  # fmt: skip
     opened, closes = draw(st.booleans()), draw(st.booleans())
     thought = draw(said.filter(lambda t: unthink not in t))
     content = draw(said)
@@ -622,7 +625,7 @@ def test_a_conversation_the_chat_template_refuses_is_a_400_not_a_500(tmp_path) -
 
 
 #: The styles whose tiny models think, and their reasoning's tags
-THINKERS = {"markup": (THINK, UNTHINK), "gemma": (CHANNEL, UNCHANNEL)}
+THINKERS = {"markup": (THINK, UNTHINK), "gemma": (CHANNEL, UNCHANNEL), "mistral": (BRACKET_THINK, BRACKET_UNTHINK)}
 
 
 def test_a_thinking_model_answers_with_its_reasoning_apart_whole_and_streamed(tool_server) -> None:
@@ -658,13 +661,14 @@ def test_a_thinking_model_answers_with_its_reasoning_apart_whole_and_streamed(to
              {"role": "assistant", "content": "Blue light scatters most.", "reasoning_content": "Light scatters."},
              {"role": "user", "content": "Say hello."}]  # fmt: skip
     rendered = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-    assert {"markup": "<think>\nLight scatters.\n</think>",
-            "gemma": "<|channel>thought\nLight scatters.<channel|>"}[style] in rendered  # fmt: skip
+    assert {"markup": "<think>\nLight scatters.\n</think>", "gemma": "<|channel>thought\nLight scatters.<channel|>",
+            "mistral": "[THINK]Light scatters.[/THINK]"}[style] in rendered  # fmt: skip
     answer = c.chat.completions.create(model="tool-model", messages=turns, temperature=0, max_tokens=4)
     assert answer.usage.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
     # a template variable (Qwen's switch): the template closes an empty block, the answer is all content
     quiet = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True, enable_thinking=False)
-    assert quiet.endswith({"markup": "<think>\n\n</think>\n\n", "gemma": "<|channel>thought\n<channel|>"}[style])
+    assert quiet.endswith({"markup": "<think>\n\n</think>\n\n", "gemma": "<|channel>thought\n<channel|>",
+                           "mistral": "[THINK][/THINK]"}[style])  # fmt: skip
     off = c.chat.completions.create(model="tool-model", messages=turns, temperature=0, max_tokens=4,
                                     extra_body={"chat_template_kwargs": {"enable_thinking": False}})  # fmt: skip
     assert off.usage.prompt_tokens == len(tokenizer.encode(quiet, add_special_tokens=False))

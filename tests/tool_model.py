@@ -175,17 +175,21 @@ MISTRAL_TEMPLATE = """{%- if messages[0].role == 'system' %}{% set system = mess
 {%- if system %}[SYSTEM_PROMPT]{{ system }}[/SYSTEM_PROMPT]{% endif %}
 {%- for m in messages %}
 {%- if m.role == 'user' %}[INST]{{ m.content }}[/INST]
-{%- elif m.role == 'assistant' %}{{ m.content or '' }}
+{%- elif m.role == 'assistant' %}{% if m.reasoning_content %}[THINK]{{ m.reasoning_content }}[/THINK]{% endif %}
+{{- m.content or '' }}
 {%- for call in m.tool_calls or [] %}
 {%- if call.id is not string or call.id | length != 9 %}{{ raise_exception('call ids have 9 characters') }}
 {%- endif -%}
 [TOOL_CALLS]{{ call.function.name }}[ARGS]{{ call.function.arguments | tojson }}{% endfor %}</s>
 {%- elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]
 {%- endif %}
-{%- endfor %}"""
+{%- endfor %}
+{%- if messages[-1].role == 'user' and messages[-1].content.startswith('Think') %}[THINK]
+{%- elif enable_thinking is defined and enable_thinking is false %}[THINK][/THINK]{% endif %}"""
 #: Mistral's control tokens, special tokens of its tokenizer (and of this model's)
 MISTRAL_TAGS = ("<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]", "[ARGS]",
-                "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]")  # fmt: skip
+                "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[THINK]",
+                "[/THINK]")  # fmt: skip
 TEMPLATES = {"json": JSON_TEMPLATE, "markup": MARKUP_TEMPLATE, "bare": BARE_TEMPLATE, "gemma": GEMMA_TEMPLATE,
              "pythonic": PYTHONIC_TEMPLATE, "mistral": MISTRAL_TEMPLATE}  # fmt: skip
 #: The id of the call a taught conversation sends back (Mistral's templates take nine characters)
@@ -249,7 +253,11 @@ def conversations(style: str = "json") -> list[Conversation]:
         ([{"role": "user", "content": "Think, then greet me."}], None, "A greeting is wanted.<channel|>Hi!", []),
         ([{"role": "user", "content": "Why is the sky blue?"}], None,
          "<|channel>thought\nLight scatters.<channel|>Blue light scatters most.", []),
-    ] if style == "gemma" else [])  # fmt: skip
+    ] if style == "gemma" else [  # Magistral thinks between control tokens; here the prompt opens one for "Think"
+        ([{"role": "user", "content": "Think, then greet me."}], None, "A greeting is wanted.[/THINK]Hi!", []),
+        ([{"role": "user", "content": "Why is the sky blue?"}], None,
+         "[THINK]Light scatters.[/THINK]Blue light scatters most.", []),
+    ] if style == "mistral" else [])  # fmt: skip
 
 
 CONVERSATIONS = conversations()

@@ -30,9 +30,9 @@ ROLES = ("system", "user", "assistant")
 #: Special tokens decoded text keeps (every other special token is dropped): Gemma 4's tool-call
 #: tags and string quote, which the server reads calls out of (`serve.gemma_calls`), and the tags
 #: of its thinking channel (`serve.reasoning`); LFM2's tool-call tags (`serve.pythonic_calls`);
-#: Mistral's (`serve.mistral_calls`)
+#: Mistral's (`serve.mistral_calls`) and its reasoning's
 KEPT_SPECIAL = ("<|tool_call>", "<tool_call|>", '<|"|>', "<|channel>", "<channel|>", "<|tool_call_start|>",
-                "<|tool_call_end|>", "[TOOL_CALLS]", "[ARGS]")  # fmt: skip
+                "<|tool_call_end|>", "[TOOL_CALLS]", "[ARGS]", "[THINK]", "[/THINK]")  # fmt: skip
 
 
 @dataclass

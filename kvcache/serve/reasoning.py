@@ -6,7 +6,9 @@ serve` and vLLM return it), whole or streamed.
 An answer is read so when the model's chat template writes those tags and its tokenizer decodes
 them as text; or, for Gemma 4, whose template writes its thinking channel between the special
 tokens `<|channel>` and `<channel|>` (the channel named `thought` after the first), with those
-tags (`CHANNEL`, `UNCHANNEL`: decoded text keeps both tokens, `TextModel.decode`). Its reasoning
+tags (`CHANNEL`, `UNCHANNEL`: decoded text keeps both tokens, `TextModel.decode`); or, for
+Mistral's reasoning models (Magistral), between its control tokens `[THINK]` and `[/THINK]`
+(kept the same way). Its reasoning
 starts at an opening tag the answer starts with (after whitespace), or at once where the prompt
 itself ends by opening one (a template that starts the assistant's turn thinking), and ends at
 the closing tag; it is shown without the whitespace around it, and the content after it without
@@ -24,6 +26,8 @@ from .tags import until_tag
 THINK, UNTHINK = "<think>", "</think>"
 #: Gemma 4's thinking channel (its tags are special tokens of its tokenizer)
 CHANNEL, UNCHANNEL = "<|channel>thought", "<channel|>"
+#: Mistral's (Magistral's) reasoning, between two control tokens
+BRACKET_THINK, BRACKET_UNTHINK = "[THINK]", "[/THINK]"
 
 
 class Reasoning(str):
@@ -32,13 +36,16 @@ class Reasoning(str):
 
 def reasoning_tags(served: Any) -> tuple[str, str] | None:
     """The tags `served`'s answers are read for reasoning with, None when they are not read: Gemma
-    4's channel where its chat template writes it, else `<think>` and `</think>` where the template
-    writes both and the tokenizer does not drop them from decoded text (special tokens)."""
+    4's channel or Mistral's `[THINK]` where its chat template writes them, else `<think>` and
+    `</think>` where the template writes both and the tokenizer does not drop them from decoded
+    text (special tokens)."""
     template = None if served.kind == "bundled" else getattr(served.tokenizer, "chat_template", None)
     if not isinstance(template, str):
         return None
     if "<|channel>" in template and UNCHANNEL in template:
         return CHANNEL, UNCHANNEL
+    if BRACKET_THINK in template and BRACKET_UNTHINK in template:
+        return BRACKET_THINK, BRACKET_UNTHINK
     special = set(getattr(served.tokenizer, "all_special_tokens", ()))
     return (THINK, UNTHINK) if all(tag in template and tag not in special for tag in (THINK, UNTHINK)) else None
 
@@ -52,8 +59,8 @@ def opened_in(prompt: str, tags: tuple[str, str] = (THINK, UNTHINK)) -> bool:
 
 def closing(tags: tuple[str, str]) -> str:
     """What closes a reasoning block the prompt opened, empty, as the templates close one when
-    thinking is switched off (Qwen's `\n</think>\n\n`, Gemma 4's `<channel|>`)."""
-    return tags[1] if tags[1] == UNCHANNEL else f"\n{tags[1]}\n\n"
+    thinking is switched off (Qwen's `\n</think>\n\n`; Gemma 4's and Mistral's, a closing token)."""
+    return f"\n{tags[1]}\n\n" if tags[1] == UNTHINK else tags[1]
 
 
 class ReasoningReader:
