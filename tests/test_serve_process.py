@@ -124,3 +124,42 @@ def test_the_engine_thread_remains_an_option(tmp_path) -> None:
         assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == expected(8)
     finally:
         assert server.terminate() == 0, server.log()
+
+
+def test_two_stops_at_once_close_the_pipe_once(tmp_path) -> None:
+    """At the shutdown's deadline the server stops the engine from a worker thread while the app's
+    lifespan stops it on the event loop. Both wait for the child, but only one may close the pipe:
+    a second close of its descriptor's number fails (EBADF, a traceback in the server's log), or
+    closes whatever the server opened under that number in between. The pipe's close is slowed
+    here so that both stops reach it together."""
+    import asyncio
+    import threading
+
+    from kvcache.cli import build_parser
+    from kvcache.cli.serve import build_engine
+    from kvcache.serve.engine_process import EngineProcess
+
+    args = build_parser().parse_args(["serve", "--dtype", "float64", "--threads", "1", "--prefix-store",
+                                      str(tmp_path / "store")])  # fmt: skip
+    args.max_step_tokens, args.speculation_chosen = 256, False
+    engine = EngineProcess(args, build_engine)
+    engine.launch()
+    closed_by: list[str] = []
+    really_close = engine._conn._close
+
+    def slow_close() -> None:
+        closed_by.append(threading.current_thread().name)
+        time.sleep(0.3)
+        really_close()
+
+    engine._conn._close = slow_close
+
+    async def shut_down() -> None:
+        engine.start()
+        worker = asyncio.ensure_future(asyncio.to_thread(engine.stop, 5.0))
+        await asyncio.sleep(0.2)  # the worker waits for the loop to read the child's last messages
+        engine.stop(5.0)
+        await worker  # (raised OSError: Bad file descriptor before)
+
+    asyncio.run(shut_down())
+    assert len(closed_by) == 1 and engine._conn.closed and not engine._process.is_alive()

@@ -64,6 +64,7 @@ class EngineProcess:
         self._done = threading.Event()  # the child's messages ended (it stopped or died)
         self._ended: str | None = None  # why requests can no longer be served
         self._stopping = False
+        self._closing = threading.Lock()  # `stop`'s join and close of the pipe, by one caller
 
     # ------------------------------------------------------------------------- lifetime
     def launch(self) -> None:
@@ -114,24 +115,29 @@ class EngineProcess:
 
     def stop(self, timeout: float = 30.0) -> None:
         """End the child: requests still running are answered "unavailable"; then it exits. Safe to
-        call again, from the event loop or from another thread."""
+        call again, and at once from the event loop and another thread (the shutdown's deadline
+        stops the engine from a worker thread while the app's lifespan stops it on the loop)."""
         if self._process is None:
             return
         if not self._stopping:
             self._stopping = True
             self._post(("stop", timeout), always=True)
-        if self._loop is not None and _on_thread_of(self._loop):  # the loop cannot read while we wait
+        if self._done.is_set():
+            pass  # its messages ended: nothing left to read (and the pipe may be closed already)
+        elif self._loop is not None and _on_thread_of(self._loop):  # the loop cannot read while we wait
             self._loop.remove_reader(self._conn.fileno())
             self._drain(timeout + 10)
         elif self._reading:
             self._done.wait(timeout + 10)
         else:
             self._drain(timeout + 10)
-        self._process.join(timeout + 10)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join(10)
-        self._conn.close()
+        with self._closing:  # one caller at a time: two closing the pipe at once could close its
+            self._process.join(timeout + 10)  # descriptor's number twice, the second time whatever
+            if self._process.is_alive():  # this process opened under that number in between
+                self._process.kill()
+                self._process.join(10)
+            if not self._conn.closed:
+                self._conn.close()
 
     # -------------------------------------------------------------------------- events
     def _readable(self) -> None:
