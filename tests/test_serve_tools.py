@@ -55,7 +55,7 @@ from kvcache.serve.reasoning import (  # noqa: E402
     opened_in,
 )
 from kvcache.serve.schema import ApiError, Limits, chat_params, completion_params  # noqa: E402
-from kvcache.serve.tools import CLOSE, OPEN, BareCallReader, ToolCall, ToolCallReader  # noqa: E402
+from kvcache.serve.tools import CLOSE, OPEN, BareCallReader, ToolCall, ToolCallReader, call_reader  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -197,7 +197,7 @@ def styled_tokenizer(tags: tuple[str, ...], template: str) -> object:
 
 def read_styled(text: str, style: str) -> tuple[str, list[tuple[str, dict]]]:
     """The content and the calls a reader of `style` gives for `text`."""
-    reader = ToolCallReader(None, style)
+    reader = call_reader(style, None)
     parts = [*reader.feed(text), *reader.finish()]
     return "".join(p for p in parts if isinstance(p, str)), [
         (p.name, json.loads(p.arguments)) for p in parts if isinstance(p, ToolCall)]  # fmt: skip
@@ -324,6 +324,59 @@ def test_mistral_calls_run_to_the_answers_end_in_either_format(made, listed, bef
         reader = MistralCallReader()
         parts = [*reader.feed("Hi [TOOL_CALLS]" + body), *reader.finish()]
         assert parts == ["Hi", "[TOOL_CALLS]" + body]  # not calls: the text as written
+
+
+#: A second tool, so that a call to a tool the model picks has a choice to make
+ALARM = {"type": "function", "function": {"name": "set_alarm", "parameters": {
+    "type": "object", "properties": {"hour": {"type": "integer"}}, "required": ["hour"]}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("style", ["mistral", "mistral-args"])
+def test_a_forced_mistral_call_is_held_to_its_tools_schema(style) -> None:
+    """Mistral's calls carry JSON arguments, so a forced one is held to the tool's schema as a
+    tagged JSON call is: after the opening the prompt ends with, each token of the call as the
+    template writes it is allowed in turn (`[ARGS]` as the control token it is, where the model
+    picks the tool) and the answer ends with the call's end, which reads back as that one call;
+    arguments off the schema, or a tool not offered, are masked on the way."""
+    llguidance_hf = pytest.importorskip("llguidance.hf")
+    from tool_model import MISTRAL_TAGS, MISTRAL_TEMPLATE
+
+    from kvcache.serve.grammar import Constraint, call_grammar
+    from kvcache.serve.tools import call_opening
+
+    tokenizer = styled_tokenizer(MISTRAL_TAGS, MISTRAL_TEMPLATE)
+    args_token = tokenizer.convert_tokens_to_ids("[ARGS]")
+    matcher_tokenizer = llguidance_hf.from_tokenizer(tokenizer, eos_token=tokenizer.convert_tokens_to_ids("</s>"))
+
+    def written(name: str, arguments: str) -> str:
+        if style == "mistral":
+            return '[TOOL_CALLS] [{"name": "' + name + '", "arguments": ' + arguments + "}]"
+        return f"[TOOL_CALLS]{name}[ARGS]{arguments}"
+
+    def walk(name: str, rest: str) -> tuple[int, bool]:
+        """How many tokens of `rest` the grammar allows in a row, and whether it is done after."""
+        constraint = Constraint(matcher_tokenizer, call_grammar(style, [WEATHER, ALARM], name, args_token),
+                                len(tokenizer))  # fmt: skip
+        tokens = tokenizer.encode(rest, add_special_tokens=False)
+        for i, token in enumerate(tokens):
+            if constraint.done or not constraint.allowed[token]:
+                return i, False
+            constraint.accept(token)
+        return len(tokens), constraint.done
+
+    for forced in ("set_alarm", ""):
+        opening = call_opening(style, forced)
+        text = written("set_alarm", '{"hour": 7}')
+        assert text.startswith(opening)
+        rest = text[len(opening):]
+        assert walk(forced, rest) == (len(tokenizer.encode(rest, add_special_tokens=False)), True)
+        assert read_styled(text, style) == ("", [("set_alarm", {"hour": 7})])
+        for off in (written("set_alarm", '{"hour": "7"}'), written("set_alarm", '{"minute": 7}'),
+                    written("set_timer", '{"hour": 7}')):  # fmt: skip
+            if off.startswith(opening):
+                rest = off[len(opening):]
+                assert walk(forced, rest)[0] < len(tokenizer.encode(rest, add_special_tokens=False)), off
+    assert call_grammar(style, [WEATHER], "", None) is None or style == "mistral"  # no [ARGS] token: the model's
 
 
 @pytest.mark.parametrize("template, style", [
@@ -687,7 +740,7 @@ OPENINGS = {
 
 
 #: The styles whose forced calls are the model's own (no grammar holds them to the schema)
-FREE = ("markup", "gemma", "pythonic", "mistral")
+FREE = ("markup", "gemma", "pythonic")
 
 
 def test_a_forced_tool_choice_starts_the_answer_with_the_call(tool_server) -> None:
@@ -696,10 +749,9 @@ def test_a_forced_tool_choice_starts_the_answer_with_the_call(tool_server) -> No
     on from there, and the call comes back as `tool_calls`, whole, streamed and through the
     Responses API. Where the call is JSON, its rest is held to the tool's schema (one call whose
     arguments follow the schema, whatever the model would write: the tiny model was never taught
-    to call for a greeting); markup, Gemma, LFM2 and Mistral calls are the model's own, and one it does not
-    complete is
-    content, the forced start included. A thinking model's forced answer skips its reasoning (an
-    empty block, closed in the prompt)."""
+    to call for a greeting; Mistral's too); markup, Gemma and LFM2 calls are the model's own, and
+    one it does not complete is content, the forced start included. A thinking model's forced
+    answer skips its reasoning (an empty block, closed in the prompt)."""
     from transformers import AutoTokenizer
 
     process, where, taught, style = tool_server

@@ -85,6 +85,14 @@ class TextModel:
             return self.tokenizer.decode(ids, skip_special_tokens=True)
         return self.tokenizer.decode([i for i in ids if i not in self._dropped], skip_special_tokens=False)
 
+    def token_id(self, text: str) -> int | None:
+        """The id of the one token whose text is `text` (a control token such as Mistral's
+        `[ARGS]`), or None where the tokenizer has no such token."""
+        if self.kind == "bundled":
+            return None
+        found = self.tokenizer.convert_tokens_to_ids(text)
+        return int(found) if isinstance(found, int) and self.tokenizer.convert_ids_to_tokens(found) == text else None
+
     @cached_property
     def _kept(self) -> frozenset[int]:
         """The ids of the tokenizer's `KEPT_SPECIAL` tokens (special or not: kept either way)."""

@@ -33,6 +33,7 @@ from . import responses
 from .completion import Completion, stream, usage, watch, whole
 from .engine import Engine, Request
 from .grammar import call_grammar
+from .mistral_calls import ARGS as MISTRAL_ARGS
 from .reasoning import closing, opened_in, reasoning_tags
 from .schema import ApiError, Limits, Params, chat_params, completion_params, parse_json
 from .served import ServedModel
@@ -143,7 +144,8 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
                 if params.forced_tool is not None:  # (the tools' schemas hold the call's rest, where they can)
                     style = params.call_style or "json"  # (a forced call: tools offered)
                     params.opening = call_opening(style, params.forced_tool)
-                    params.grammar = call_grammar(style, params.tools or [], params.forced_tool)
+                    params.grammar = call_grammar(style, params.tools or [], params.forced_tool,
+                                                  served.token_id(MISTRAL_ARGS))  # fmt: skip
                     params.closing = "\n" + CLOSE if params.grammar is not None and style == "json" else ""
                 prompt += (closing(tags) if tags is not None and params.reasoning else "") + params.opening
                 params.reasoning = None

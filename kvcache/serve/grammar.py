@@ -64,25 +64,35 @@ def grammar_of(response_format: Any, param: str = "response_format") -> str | No
     return grammar
 
 
-def call_grammar(style: str, tools: list[dict[str, Any]], name: str) -> str | None:
+def call_grammar(style: str, tools: list[dict[str, Any]], name: str, args_token: int | None = None) -> str | None:
     """The grammar of the rest of a forced call after its opening (`tools.call_opening`): the tool's
     name where the opening left it out ("required": one of the `tools`), then its arguments as its
-    parameters' JSON Schema says, then the `}` that closes the call's object (the answer ends
-    there: a tagged call's closing tag, often a token of its own, is the template's, added by
-    the reader, `Completion`'s `closing`). None for markup calls (their values are free text), or
-    without llguidance, or for schemas it cannot follow (the call is then the model's alone)."""
+    parameters' JSON Schema says, then what closes the call's object (`}`; `}]` for Mistral's
+    JSON list; nothing after Mistral's `NAME[ARGS]{...}`, which ends the answer). The answer ends
+    there: a tagged call's closing tag, often a token of its own, is the template's, added by the
+    reader (`Completion`'s `closing`). Mistral's `[ARGS]` is a control token: a call to a tool
+    the model picks names it by id (`args_token`; without one, that call is the model's own).
+    None for markup, Gemma and LFM2 calls (their values are not JSON), without llguidance, or for
+    schemas it cannot follow (the call is then the model's alone)."""
     llguidance = _llguidance()
-    if style not in ("json", "bare") or llguidance is None:
+    if style not in ("json", "bare", "mistral", "mistral-args") or llguidance is None:
         return None
-    field, end = "parameters" if style == "bare" else "arguments", "}"
+    if style == "mistral-args" and not name and args_token is None:
+        return None
+    field = "parameters" if style == "bare" else "arguments"
+    end = {"mistral": "}]", "mistral-args": ""}.get(style, "}")
     rules, choices = [], []
     for i, tool in enumerate(t for t in tools if not name or t["function"]["name"] == name):
         schema = {**(tool["function"].get("parameters") or {"type": "object"}),
                   "x-guidance": {"whitespace_pattern": WHITESPACE}}  # fmt: skip
         rules.append(f"args{i}: %json {json.dumps(schema)}")
-        head = "" if name else json.dumps(f' {json.dumps(tool["function"]["name"])}, "{field}":') + " "
+        called = tool["function"]["name"]
+        if style == "mistral-args":  # [TOOL_CALLS]NAME[ARGS]{...}: the opening ends after [ARGS] when named
+            choices.append(f"args{i}" if name else f"{json.dumps(called)} <[{args_token}]> args{i}")
+            continue
+        head = "" if name else json.dumps(f" {json.dumps(called)}, \"{field}\":") + " "
         choices.append(f'{head}" " args{i}')
-    lark = "\n".join([f"start: ({' | '.join(choices)}) {json.dumps(end)}", *rules])
+    lark = "\n".join([f"start: ({' | '.join(choices)})" + (f" {json.dumps(end)}" if end else ""), *rules])
     grammar = llguidance.LLMatcher.grammar_from_lark(lark)
     return None if llguidance.LLMatcher.validate_grammar(grammar) else grammar
 
