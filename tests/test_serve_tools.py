@@ -326,6 +326,20 @@ def test_mistral_calls_run_to_the_answers_end_in_either_format(made, listed, bef
         assert parts == ["Hi", "[TOOL_CALLS]" + body]  # not calls: the text as written
 
 
+def allowed_run(tokenizer, matcher_tokenizer, grammar: str, rest: str) -> tuple[int, int, bool]:
+    """How many tokens of `rest` a `Constraint` of `grammar` allows in a row, of how many, and
+    whether it is done after all of them."""
+    from kvcache.serve.grammar import Constraint
+
+    constraint = Constraint(matcher_tokenizer, grammar, len(tokenizer))
+    tokens = tokenizer.encode(rest, add_special_tokens=False)
+    for i, token in enumerate(tokens):
+        if constraint.done or not constraint.allowed[token]:
+            return i, len(tokens), False
+        constraint.accept(token)
+    return len(tokens), len(tokens), constraint.done
+
+
 #: A second tool, so that a call to a tool the model picks has a choice to make
 ALARM = {"type": "function", "function": {"name": "set_alarm", "parameters": {
     "type": "object", "properties": {"hour": {"type": "integer"}}, "required": ["hour"]}}}  # fmt: skip
@@ -341,7 +355,7 @@ def test_a_forced_mistral_call_is_held_to_its_tools_schema(style) -> None:
     llguidance_hf = pytest.importorskip("llguidance.hf")
     from tool_model import MISTRAL_TAGS, MISTRAL_TEMPLATE
 
-    from kvcache.serve.grammar import Constraint, call_grammar
+    from kvcache.serve.grammar import call_grammar
     from kvcache.serve.tools import call_opening
 
     tokenizer = styled_tokenizer(MISTRAL_TAGS, MISTRAL_TEMPLATE)
@@ -355,14 +369,9 @@ def test_a_forced_mistral_call_is_held_to_its_tools_schema(style) -> None:
 
     def walk(name: str, rest: str) -> tuple[int, bool]:
         """How many tokens of `rest` the grammar allows in a row, and whether it is done after."""
-        constraint = Constraint(matcher_tokenizer, call_grammar(style, [WEATHER, ALARM], name, args_token),
-                                len(tokenizer))  # fmt: skip
-        tokens = tokenizer.encode(rest, add_special_tokens=False)
-        for i, token in enumerate(tokens):
-            if constraint.done or not constraint.allowed[token]:
-                return i, False
-            constraint.accept(token)
-        return len(tokens), constraint.done
+        grammar = call_grammar(style, [WEATHER, ALARM], name, args_token)
+        held, _, done = allowed_run(tokenizer, matcher_tokenizer, grammar, rest)
+        return held, done
 
     for forced in ("set_alarm", ""):
         opening = call_opening(style, forced)
@@ -377,6 +386,62 @@ def test_a_forced_mistral_call_is_held_to_its_tools_schema(style) -> None:
                 rest = off[len(opening):]
                 assert walk(forced, rest)[0] < len(tokenizer.encode(rest, add_special_tokens=False)), off
     assert call_grammar(style, [WEATHER], "", None) is None or style == "mistral"  # no [ARGS] token: the model's
+
+
+FORECAST = {"type": "function", "function": {"name": "forecast", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "units": {"enum": ["c", "f"]}, "days": {"type": "integer"},
+    "hours": {"type": "array", "items": {"type": "number"}}, "alerts": {"type": ["boolean", "null"]}},
+    "required": ["city"]}}}  # fmt: skip
+bmp_text = st.text(st.characters(max_codepoint=0xFFFF, exclude_categories=("Cs",)), max_size=8)
+
+
+@pytest.fixture(scope="module")
+def lfm2_matcher_tokenizer(pythonic_tokenizer):
+    llguidance_hf = pytest.importorskip("llguidance.hf")
+    return llguidance_hf.from_tokenizer(pythonic_tokenizer, eos_token=pythonic_tokenizer.convert_tokens_to_ids(
+        "<|im_end|>"))  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None)
+@given(city=bmp_text, units=st.sampled_from([None, "c", "f"]), days=st.none() | st.integers(-(10**9), 10**9),
+       hours=st.none() | st.lists(st.floats(-1e6, 1e6) | st.integers(-99, 99), max_size=3),
+       alerts=st.sampled_from(["absent", True, False, None]), forced=st.sampled_from(["forecast", ""]))  # fmt: skip
+def test_a_forced_lfm2_call_is_held_to_its_tools_schema(pythonic_tokenizer, lfm2_matcher_tokenizer, city, units,
+                                                        days, hours, alerts, forced) -> None:  # fmt: skip
+    """LFM2's calls are Python (`NAME(key=value, ...)`), so a forced one is held by a grammar
+    written from the tool's schema (`pythonic_grammar`): after the opening the prompt ends with,
+    a call whose keyword arguments follow the schema (in its order, the required one always, any
+    optional one at most once), written as LFM2 writes literals, is allowed token by token to its
+    `)]`, where the answer ends, and reads back (with the closing tag the server adds) as that call;
+    a call that breaks the schema (a value of another type, a key it lacks, the required one
+    missing, keys out of the schema's order, a tool not offered) is masked on the way."""
+    from kvcache.serve.grammar import call_grammar
+    from kvcache.serve.tools import call_opening
+
+    arguments = {"city": city, "units": units, "days": days, "hours": hours, "alerts": alerts}
+    arguments = {k: v for k, v in arguments.items() if v is not None and v != "absent"} | (
+        {"alerts": None} if alerts is None else {})  # fmt: skip
+
+    def written(name: str, given: dict) -> str:
+        literal = {True: "True", False: "False", None: "None"}
+        shown = [f"{k}={literal[v] if v is None or isinstance(v, bool) else json.dumps(v)}" for k, v in given.items()]
+        return f"{PYTHONIC_OPEN}[{name}({', '.join(shown)})]"
+
+    grammar = call_grammar("pythonic", [WEATHER, FORECAST], forced)
+    opening = call_opening("pythonic", forced)
+    text = written("forecast", arguments)
+    assert text.startswith(opening)
+    held, total, done = allowed_run(pythonic_tokenizer, lfm2_matcher_tokenizer, grammar, text[len(opening):])
+    assert (held, done) == (total, True), text
+    assert read_styled(text + PYTHONIC_CLOSE, "pythonic") == ("", [("forecast", arguments)])
+    broken = [{**arguments, "days": "3"}, {**arguments, "town": "x"},
+              {k: v for k, v in arguments.items() if k != "city"},
+              dict(reversed(arguments.items())) if len(arguments) > 1 else {**arguments, "city": 3}]  # fmt: skip
+    others = [written("forecast", b) for b in broken] + [written("set_alarm", arguments)]
+    for other in others:
+        if other.startswith(opening):
+            held, total, done = allowed_run(pythonic_tokenizer, lfm2_matcher_tokenizer, grammar, other[len(opening):])
+            assert held < total or not done, other
 
 
 @pytest.mark.parametrize("template, style", [
@@ -740,7 +805,7 @@ OPENINGS = {
 
 
 #: The styles whose forced calls are the model's own (no grammar holds them to the schema)
-FREE = ("markup", "gemma", "pythonic")
+FREE = ("markup", "gemma")
 
 
 def test_a_forced_tool_choice_starts_the_answer_with_the_call(tool_server) -> None:
@@ -749,8 +814,8 @@ def test_a_forced_tool_choice_starts_the_answer_with_the_call(tool_server) -> No
     on from there, and the call comes back as `tool_calls`, whole, streamed and through the
     Responses API. Where the call is JSON, its rest is held to the tool's schema (one call whose
     arguments follow the schema, whatever the model would write: the tiny model was never taught
-    to call for a greeting; Mistral's too); markup, Gemma and LFM2 calls are the model's own, and
-    one it does not complete is content, the forced start included. A thinking model's forced
+    to call for a greeting; Mistral's and LFM2's too); markup and Gemma calls are the model's own,
+    and one it does not complete is content, the forced start included. A thinking model's forced
     answer skips its reasoning (an empty block, closed in the prompt)."""
     from transformers import AutoTokenizer
 

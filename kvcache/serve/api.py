@@ -34,6 +34,7 @@ from .completion import Completion, stream, usage, watch, whole
 from .engine import Engine, Request
 from .grammar import call_grammar
 from .mistral_calls import ARGS as MISTRAL_ARGS
+from .pythonic_calls import CLOSE as PYTHONIC_CLOSE
 from .reasoning import closing, opened_in, reasoning_tags
 from .schema import ApiError, Limits, Params, chat_params, completion_params, parse_json
 from .served import ServedModel
@@ -146,7 +147,8 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
                     params.opening = call_opening(style, params.forced_tool)
                     params.grammar = call_grammar(style, params.tools or [], params.forced_tool,
                                                   served.token_id(MISTRAL_ARGS))  # fmt: skip
-                    params.closing = "\n" + CLOSE if params.grammar is not None and style == "json" else ""
+                    held = params.grammar is not None  # (a held call ends before its template's closing tag)
+                    params.closing = {"json": "\n" + CLOSE, "pythonic": PYTHONIC_CLOSE}.get(style, "") if held else ""
                 prompt += (closing(tags) if tags is not None and params.reasoning else "") + params.opening
                 params.reasoning = None
             params.prompts = [prompt]

@@ -22,6 +22,7 @@ import torch
 
 from ..errors import CacheInputError
 from .api_error import ApiError
+from .pythonic_grammar import pythonic_call_lark
 
 INSTALL = "pip install 'kvcache[serve]'"
 #: The whitespace allowed between JSON tokens: any layout a model writes (indented objects nested
@@ -72,13 +73,16 @@ def call_grammar(style: str, tools: list[dict[str, Any]], name: str, args_token:
     there: a tagged call's closing tag, often a token of its own, is the template's, added by the
     reader (`Completion`'s `closing`). Mistral's `[ARGS]` is a control token: a call to a tool
     the model picks names it by id (`args_token`; without one, that call is the model's own).
-    None for markup, Gemma and LFM2 calls (their values are not JSON), without llguidance, or for
-    schemas it cannot follow (the call is then the model's alone)."""
+    LFM2's Python calls are held to the schema as `pythonic_grammar` writes them, to their `)]`.
+    None for markup and Gemma calls, without llguidance, or for schemas it cannot follow (the
+    call is then the model's alone)."""
     llguidance = _llguidance()
-    if style not in ("json", "bare", "mistral", "mistral-args") or llguidance is None:
+    if style not in ("json", "bare", "mistral", "mistral-args", "pythonic") or llguidance is None:
         return None
     if style == "mistral-args" and not name and args_token is None:
         return None
+    if style == "pythonic":
+        return _valid(llguidance, pythonic_call_lark(tools, name))
     field = "parameters" if style == "bare" else "arguments"
     end = {"mistral": "}]", "mistral-args": ""}.get(style, "}")
     rules, choices = [], []
@@ -93,6 +97,11 @@ def call_grammar(style: str, tools: list[dict[str, Any]], name: str, args_token:
         head = "" if name else json.dumps(f" {json.dumps(called)}, \"{field}\":") + " "
         choices.append(f'{head}" " args{i}')
     lark = "\n".join([f"start: ({' | '.join(choices)})" + (f" {json.dumps(end)}" if end else ""), *rules])
+    return _valid(llguidance, lark)
+
+
+def _valid(llguidance: Any, lark: str) -> str | None:
+    """`lark` as llguidance's grammar, or None where it cannot follow it."""
     grammar = llguidance.LLMatcher.grammar_from_lark(lark)
     return None if llguidance.LLMatcher.validate_grammar(grammar) else grammar
 
