@@ -396,51 +396,73 @@ bmp_text = st.text(st.characters(max_codepoint=0xFFFF, exclude_categories=("Cs",
 
 
 @pytest.fixture(scope="module")
-def lfm2_matcher_tokenizer(pythonic_tokenizer):
+def keyword_styles(pythonic_tokenizer, gemma_tokenizer):
+    """By style: the tokenizer, llguidance's view of it, and the id of its string quote token."""
     llguidance_hf = pytest.importorskip("llguidance.hf")
-    return llguidance_hf.from_tokenizer(pythonic_tokenizer, eos_token=pythonic_tokenizer.convert_tokens_to_ids(
-        "<|im_end|>"))  # fmt: skip
+    out = {}
+    for style, tokenizer, end in (("pythonic", pythonic_tokenizer, "<|im_end|>"),
+                                  ("gemma", gemma_tokenizer, "<turn|>")):  # fmt: skip
+        matcher = llguidance_hf.from_tokenizer(tokenizer, eos_token=tokenizer.convert_tokens_to_ids(end))
+        out[style] = (tokenizer, matcher, tokenizer.convert_tokens_to_ids(QUOTE))
+    return out
+
+
+def keyword_call(style: str, name: str, arguments: dict) -> str:
+    """A call as LFM2 (`pythonic`) or Gemma 4 writes it, the arguments in the order given."""
+    if style == "pythonic":
+        words = {True: "True", False: "False", None: "None"}
+        shown = [f"{k}={words[v] if v is None or isinstance(v, bool) else json.dumps(v)}" for k, v in arguments.items()]
+        return f"{PYTHONIC_OPEN}[{name}({', '.join(shown)})]"
+
+    def gemma(v: object) -> str:
+        if isinstance(v, str):
+            return QUOTE + v + QUOTE
+        if isinstance(v, list):
+            return "[" + ",".join(gemma(x) for x in v) + "]"
+        return json.dumps(v)
+
+    return f"{GEMMA_OPEN}call:{name}{{" + ",".join(f"{k}:{gemma(v)}" for k, v in arguments.items()) + "}"
 
 
 @settings(max_examples=60, deadline=None)
-@given(city=bmp_text, units=st.sampled_from([None, "c", "f"]), days=st.none() | st.integers(-(10**9), 10**9),
+@given(city=bmp_text.filter(lambda t: QUOTE not in t), units=st.sampled_from([None, "c", "f"]),
+       days=st.none() | st.integers(-(10**9), 10**9),
        hours=st.none() | st.lists(st.floats(-1e6, 1e6) | st.integers(-99, 99), max_size=3),
-       alerts=st.sampled_from(["absent", True, False, None]), forced=st.sampled_from(["forecast", ""]))  # fmt: skip
-def test_a_forced_lfm2_call_is_held_to_its_tools_schema(pythonic_tokenizer, lfm2_matcher_tokenizer, city, units,
-                                                        days, hours, alerts, forced) -> None:  # fmt: skip
-    """LFM2's calls are Python (`NAME(key=value, ...)`), so a forced one is held by a grammar
-    written from the tool's schema (`pythonic_grammar`): after the opening the prompt ends with,
-    a call whose keyword arguments follow the schema (in its order, the required one always, any
-    optional one at most once), written as LFM2 writes literals, is allowed token by token to its
-    `)]`, where the answer ends, and reads back (with the closing tag the server adds) as that call;
-    a call that breaks the schema (a value of another type, a key it lacks, the required one
-    missing, keys out of the schema's order, a tool not offered) is masked on the way."""
+       alerts=st.sampled_from(["absent", True, False, None]), forced=st.sampled_from(["forecast", ""]),
+       style=st.sampled_from(["pythonic", "gemma"]))  # fmt: skip
+def test_a_forced_keyword_call_is_held_to_its_tools_schema(keyword_styles, city, units, days, hours, alerts, forced,
+                                                           style) -> None:  # fmt: skip
+    """LFM2's calls are Python (`NAME(key=value, ...)`) and Gemma 4's `NAME{key:value,...}`, so a
+    forced one is held by a grammar written from the tool's schema (`keyword_grammar`): after the
+    opening the prompt ends with, a call whose keyword arguments follow the schema (in its order,
+    sorted for Gemma as its template sorts them; the required one always, any optional one at
+    most once), written as the family writes values (Gemma's strings between its quote token), is
+    allowed token by token to its end, where the answer ends, and reads back (with the closing tag
+    the server adds) as that call; a call that breaks the schema (a value of another type, a key
+    it lacks, the required one missing, keys out of order, a tool not offered) is masked on the way."""
+    from kvcache.serve.api import HELD_CLOSINGS
     from kvcache.serve.grammar import call_grammar
     from kvcache.serve.tools import call_opening
 
-    arguments = {"city": city, "units": units, "days": days, "hours": hours, "alerts": alerts}
-    arguments = {k: v for k, v in arguments.items() if v is not None and v != "absent"} | (
-        {"alerts": None} if alerts is None else {})  # fmt: skip
-
-    def written(name: str, given: dict) -> str:
-        literal = {True: "True", False: "False", None: "None"}
-        shown = [f"{k}={literal[v] if v is None or isinstance(v, bool) else json.dumps(v)}" for k, v in given.items()]
-        return f"{PYTHONIC_OPEN}[{name}({', '.join(shown)})]"
-
-    grammar = call_grammar("pythonic", [WEATHER, FORECAST], forced)
-    opening = call_opening("pythonic", forced)
-    text = written("forecast", arguments)
+    tokenizer, matcher, quote = keyword_styles[style]
+    arguments = {"alerts": alerts, "city": city, "days": days, "hours": hours, "units": units}
+    if style == "pythonic":  # (the schema's order)
+        arguments = {k: arguments[k] for k in FORECAST["function"]["parameters"]["properties"]}
+    kept = [k for k, v in arguments.items() if v != "absent" and (v is not None or k == "alerts")]
+    arguments = {k: arguments[k] for k in kept}
+    grammar = call_grammar(style, [WEATHER, FORECAST], forced, quote_token=quote)
+    opening = call_opening(style, forced)
+    text = keyword_call(style, "forecast", arguments)
     assert text.startswith(opening)
-    held, total, done = allowed_run(pythonic_tokenizer, lfm2_matcher_tokenizer, grammar, text[len(opening):])
+    held, total, done = allowed_run(tokenizer, matcher, grammar, text[len(opening):])
     assert (held, done) == (total, True), text
-    assert read_styled(text + PYTHONIC_CLOSE, "pythonic") == ("", [("forecast", arguments)])
+    assert read_styled(text + HELD_CLOSINGS[style], style) == ("", [("forecast", arguments)])
     broken = [{**arguments, "days": "3"}, {**arguments, "town": "x"},
               {k: v for k, v in arguments.items() if k != "city"},
               dict(reversed(arguments.items())) if len(arguments) > 1 else {**arguments, "city": 3}]  # fmt: skip
-    others = [written("forecast", b) for b in broken] + [written("set_alarm", arguments)]
-    for other in others:
+    for other in [keyword_call(style, "forecast", b) for b in broken] + [keyword_call(style, "set_alarm", arguments)]:
         if other.startswith(opening):
-            held, total, done = allowed_run(pythonic_tokenizer, lfm2_matcher_tokenizer, grammar, other[len(opening):])
+            held, total, done = allowed_run(tokenizer, matcher, grammar, other[len(opening):])
             assert held < total or not done, other
 
 
@@ -805,7 +827,7 @@ OPENINGS = {
 
 
 #: The styles whose forced calls are the model's own (no grammar holds them to the schema)
-FREE = ("markup", "gemma")
+FREE = ("markup",)
 
 
 def test_a_forced_tool_choice_starts_the_answer_with_the_call(tool_server) -> None:
@@ -814,7 +836,7 @@ def test_a_forced_tool_choice_starts_the_answer_with_the_call(tool_server) -> No
     on from there, and the call comes back as `tool_calls`, whole, streamed and through the
     Responses API. Where the call is JSON, its rest is held to the tool's schema (one call whose
     arguments follow the schema, whatever the model would write: the tiny model was never taught
-    to call for a greeting; Mistral's and LFM2's too); markup and Gemma calls are the model's own,
+    to call for a greeting; Mistral's, LFM2's and Gemma's too); markup calls are the model's own,
     and one it does not complete is content, the forced start included. A thinking model's forced
     answer skips its reasoning (an empty block, closed in the prompt)."""
     from transformers import AutoTokenizer

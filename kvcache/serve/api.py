@@ -32,6 +32,8 @@ from ..generation.sampling import Sampling
 from . import responses
 from .completion import Completion, stream, usage, watch, whole
 from .engine import Engine, Request
+from .gemma_calls import CLOSE as GEMMA_CLOSE
+from .gemma_calls import QUOTE as GEMMA_QUOTE
 from .grammar import call_grammar
 from .mistral_calls import ARGS as MISTRAL_ARGS
 from .pythonic_calls import CLOSE as PYTHONIC_CLOSE
@@ -39,6 +41,9 @@ from .reasoning import closing, opened_in, reasoning_tags
 from .schema import ApiError, Limits, Params, chat_params, completion_params, parse_json
 from .served import ServedModel
 from .tools import CLOSE, call_opening, call_style, tools_refused
+
+#: What a call held to its schema leaves for the template to write, by call style (read as written)
+HELD_CLOSINGS = {"json": "\n" + CLOSE, "pythonic": PYTHONIC_CLOSE, "gemma": GEMMA_CLOSE}
 
 
 def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = None,
@@ -146,9 +151,10 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
                     style = params.call_style or "json"  # (a forced call: tools offered)
                     params.opening = call_opening(style, params.forced_tool)
                     params.grammar = call_grammar(style, params.tools or [], params.forced_tool,
-                                                  served.token_id(MISTRAL_ARGS))  # fmt: skip
+                                                  args_token=served.token_id(MISTRAL_ARGS),
+                                                  quote_token=served.token_id(GEMMA_QUOTE))  # fmt: skip
                     held = params.grammar is not None  # (a held call ends before its template's closing tag)
-                    params.closing = {"json": "\n" + CLOSE, "pythonic": PYTHONIC_CLOSE}.get(style, "") if held else ""
+                    params.closing = HELD_CLOSINGS.get(style, "") if held else ""
                 prompt += (closing(tags) if tags is not None and params.reasoning else "") + params.opening
                 params.reasoning = None
             params.prompts = [prompt]

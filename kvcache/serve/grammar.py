@@ -22,7 +22,7 @@ import torch
 
 from ..errors import CacheInputError
 from .api_error import ApiError
-from .pythonic_grammar import pythonic_call_lark
+from .keyword_grammar import PYTHONIC, gemma_syntax, keyword_call_lark
 
 INSTALL = "pip install 'kvcache[serve]'"
 #: The whitespace allowed between JSON tokens: any layout a model writes (indented objects nested
@@ -65,7 +65,8 @@ def grammar_of(response_format: Any, param: str = "response_format") -> str | No
     return grammar
 
 
-def call_grammar(style: str, tools: list[dict[str, Any]], name: str, args_token: int | None = None) -> str | None:
+def call_grammar(style: str, tools: list[dict[str, Any]], name: str, args_token: int | None = None,
+                 quote_token: int | None = None) -> str | None:  # fmt: skip
     """The grammar of the rest of a forced call after its opening (`tools.call_opening`): the tool's
     name where the opening left it out ("required": one of the `tools`), then its arguments as its
     parameters' JSON Schema says, then what closes the call's object (`}`; `}]` for Mistral's
@@ -73,16 +74,19 @@ def call_grammar(style: str, tools: list[dict[str, Any]], name: str, args_token:
     there: a tagged call's closing tag, often a token of its own, is the template's, added by the
     reader (`Completion`'s `closing`). Mistral's `[ARGS]` is a control token: a call to a tool
     the model picks names it by id (`args_token`; without one, that call is the model's own).
-    LFM2's Python calls are held to the schema as `pythonic_grammar` writes them, to their `)]`.
-    None for markup and Gemma calls, without llguidance, or for schemas it cannot follow (the
-    call is then the model's alone)."""
+    LFM2's Python calls and Gemma 4's `key:value` ones are held to the schema as `keyword_grammar`
+    writes them (Gemma's strings between its quote token, `quote_token`), to their `)]` or `}`.
+    None for markup calls, without llguidance, or for schemas it cannot follow (the call is then
+    the model's alone)."""
     llguidance = _llguidance()
-    if style not in ("json", "bare", "mistral", "mistral-args", "pythonic") or llguidance is None:
+    if style not in ("json", "bare", "mistral", "mistral-args", "pythonic", "gemma") or llguidance is None:
         return None
-    if style == "mistral-args" and not name and args_token is None:
+    if (style == "mistral-args" and not name and args_token is None) or (style == "gemma" and quote_token is None):
         return None
-    if style == "pythonic":
-        return _valid(llguidance, pythonic_call_lark(tools, name))
+    if style in ("pythonic", "gemma"):
+        syntax = PYTHONIC if style == "pythonic" else gemma_syntax(quote_token)  # type: ignore[arg-type]
+        lark = keyword_call_lark(syntax, tools, name)
+        return None if lark is None else _valid(llguidance, lark)
     field = "parameters" if style == "bare" else "arguments"
     end = {"mistral": "}]", "mistral-args": ""}.get(style, "}")
     rules, choices = [], []

@@ -1,0 +1,164 @@
+"""The grammars (llguidance's Lark syntax) of forced calls written with keyword arguments: LFM2's
+Python calls and Gemma 4's `key:value` calls, held to the tool's schema.
+
+LFM2 writes `[NAME(key=value, ...)]` with Python literals between its call tags
+(`pythonic_calls`); Gemma 4 writes `call:NAME{key:value,...}` with strings between `<|"|>`
+tokens and JSON's numbers and words (`gemma_calls`). A forced call's answer starts after the
+opening (`tools.call_opening`: `[NAME(`, `call:NAME{`, or before the name where the model picks
+the tool), so the grammar holds the rest: the keyword arguments of the tool's `parameters`, in a
+fixed order (the schema's, as structured outputs write JSON keys; sorted for Gemma, whose
+template sorts them), the required ones always and each optional one at most once, every value
+a literal of the type its schema names, then the call's end (`)]`, `}`), where the answer ends
+(the closing tag is the template's, added by the reader). What the schema does not say precisely
+(nested objects, a type not named, `anyOf`) is any literal the reader takes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+#: Terminals shared by both syntaxes (Rust regex syntax): numbers as JSON writes them, positive
+#: exponents of at most two digits (a float past 1e308 would be infinite, which JSON cannot hold:
+#: the readers refuse it); the separator between arguments or items.
+COMMON = r"""
+INTEGER: /-?(0|[1-9][0-9]{0,30})/
+NUMBER: /-?(0|[1-9][0-9]{0,30})(\.[0-9]{1,30})?([eE](\+?[0-9]{1,2}|-[0-9]{1,3}))?/
+SEP: /, ?/
+KEY: /[A-Za-z_][A-Za-z0-9_]{0,63}/
+"""
+#: Python's strings in double quotes, with the escapes that mean the same in Python and JSON
+PYTHON_STRING = r'STRING: /"([^"\\\x00-\x1f]|\\["\\\/bfnrt]|\\u[0-9a-fA-F]{4})*"/'
+
+
+@dataclass(frozen=True)
+class Syntax:
+    """How one family writes a call's arguments."""
+
+    assign: str  # between a key and its value
+    words: tuple[str, str, str]  # true, false and null as written
+    string: str  # the expression of any string
+    literal: str  # the rule `literal`: any value the reader takes
+    terminals: str  # what `string` and `literal` need beyond `COMMON`
+    opening: str  # what follows a tool's name where the model writes it ("required")
+    end: str  # what ends the call after its arguments
+    sorted_keys: bool  # arguments in sorted order (else the schema's)
+    key: re.Pattern[str]  # the keys this syntax writes bare
+
+    def quoted(self, value: str) -> str:
+        """The expression of the one string `value`."""
+        if self.string == "STRING":
+            return json.dumps(json.dumps(value))
+        quote = self.string.split()[0]
+        return f"{quote} {json.dumps(value)} {quote}"
+
+
+PYTHONIC = Syntax(
+    "=", ("True", "False", "None"), "STRING",
+    'literal: STRING | NUMBER | "True" | "False" | "None" | "[" (literal (SEP literal)*)? "]"\n'
+    '    | "{" (STRING ": " literal (SEP STRING ": " literal)*)? "}"',
+    PYTHON_STRING, "(", ")]", False, re.compile(r"[A-Za-z_][A-Za-z0-9_]*"))  # fmt: skip
+
+
+def gemma_syntax(quote_token: int) -> Syntax:
+    """Gemma 4's, its string quote being the token `quote_token`."""
+    string = f"<[{quote_token}]> TEXT <[{quote_token}]>"
+    return Syntax(":", ("true", "false", "null"), string,
+                  f'literal: {string} | NUMBER | "true" | "false" | "null" | "[" (literal (SEP literal)*)? "]"\n'
+                  '    | "{" (KEY ":" literal (SEP KEY ":" literal)*)? "}"',
+                  r"TEXT: /(.|\n)*/", "{", "}", True, re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*"))  # fmt: skip
+
+
+class _Rules:
+    """The rules of one grammar, named in the order they are made."""
+
+    def __init__(self, syntax: Syntax) -> None:
+        self.syntax = syntax
+        self.lines: list[str] = []
+
+    def add(self, body: str) -> str:
+        name = f"r{len(self.lines)}"
+        self.lines.append(f"{name}: {body}")
+        return name
+
+    def value(self, schema: Any) -> str:
+        """The expression of a literal `schema` allows (any literal where it says too little)."""
+        if not isinstance(schema, dict):
+            return "literal"
+        if "enum" in schema or "const" in schema:
+            choices = schema["enum"] if "enum" in schema else [schema["const"]]
+            if isinstance(choices, list) and choices and all(_simple(c) for c in choices):
+                return self.add(" | ".join(self._one(c) for c in choices))
+            return "literal"
+        kinds = schema.get("type")
+        kinds = kinds if isinstance(kinds, list) else [kinds]
+        parts = [self._typed(kind, schema) for kind in kinds]
+        if not parts or any(p is None for p in parts):
+            return "literal"
+        return parts[0] if len(parts) == 1 else self.add(" | ".join(parts))  # type: ignore[arg-type]
+
+    def _one(self, value: Any) -> str:
+        true, false, null = self.syntax.words
+        if value is None or isinstance(value, bool):
+            return json.dumps({True: true, False: false, None: null}[value])
+        return self.syntax.quoted(value) if isinstance(value, str) else json.dumps(json.dumps(value))
+
+    def _typed(self, kind: Any, schema: dict[str, Any]) -> str | None:
+        true, false, null = self.syntax.words
+        if kind == "array":
+            item = self.value(schema.get("items"))
+            return self.add(f'"[" ({item} (SEP {item})*)? "]"')
+        return {"string": self.syntax.string, "integer": "INTEGER", "number": "NUMBER",
+                "boolean": f"({json.dumps(true)} | {json.dumps(false)})", "null": json.dumps(null),
+                "object": "literal"}.get(kind)  # fmt: skip
+
+    def arguments(self, schema: Any) -> str | None:
+        """The expression of a call's keyword arguments for its `parameters` schema: its properties
+        in order, the required ones always, the others at most once; any keyword arguments where
+        it names none. None where a key cannot be written bare."""
+        assign = self.syntax.assign
+        properties = schema.get("properties") if isinstance(schema, dict) else None
+        if not isinstance(properties, dict) or not properties:
+            return f'(KEY "{assign}" literal (SEP KEY "{assign}" literal)*)?'
+        keys = sorted(properties) if self.syntax.sorted_keys else list(properties)
+        if not all(self.syntax.key.fullmatch(key) for key in keys):
+            return None
+        required = set(schema.get("required") or [])
+        items = [f"{json.dumps(key + assign)} {self.value(properties[key])}" for key in keys]
+        # after[k]: the arguments from key k on, after one already written (each with its comma);
+        # first[k]: the same with none written yet; None past the last key
+        after: list[str | None] = [None] * (len(keys) + 1)
+        first: list[str | None] = [None] * (len(keys) + 1)
+        for k in range(len(keys) - 1, -1, -1):
+            rest = f" {after[k + 1]}" if after[k + 1] else ""
+            if after[k + 1] and not required.intersection(keys[k + 1 :]):
+                rest += "?"
+            optional = keys[k] not in required
+            with_k = f"SEP {items[k]}{rest}"
+            after[k] = self.add(f"{with_k} | {after[k + 1]}" if optional and after[k + 1] else with_k)
+            starting = f"{items[k]}{rest}"
+            first[k] = self.add(f"{starting} | {first[k + 1]}" if optional and first[k + 1] else starting)
+        return first[0] if required.intersection(keys) else f"{first[0]}?"
+
+
+def _simple(value: Any) -> bool:
+    return value is None or isinstance(value, (str, bool, int, float))
+
+
+def keyword_call_lark(syntax: Syntax, tools: list[dict[str, Any]], name: str) -> str | None:
+    """The Lark grammar of the rest of a forced call to `name` ("": to one of `tools`) after its
+    opening, to the call's end; None where a tool's keys cannot be written in `syntax`."""
+    rules = _Rules(syntax)
+    choices = []
+    for tool in tools:
+        called = tool["function"]["name"]
+        if name and called != name:
+            continue
+        arguments = rules.arguments(tool["function"].get("parameters"))
+        if arguments is None:
+            return None
+        choices.append(arguments if name else f"{json.dumps(called + syntax.opening)} {arguments}")
+    lines = [f"start: ({' | '.join(choices)}) {json.dumps(syntax.end)}", *rules.lines, syntax.literal]
+    return "\n".join([*lines, COMMON.strip(), syntax.terminals])
