@@ -195,9 +195,9 @@ def styled_tokenizer(tags: tuple[str, ...], template: str) -> object:
     return tokenizer
 
 
-def read_styled(text: str, style: str) -> tuple[str, list[tuple[str, dict]]]:
-    """The content and the calls a reader of `style` gives for `text`."""
-    reader = call_reader(style, None)
+def read_styled(text: str, style: str, tools: list | None = None) -> tuple[str, list[tuple[str, dict]]]:
+    """The content and the calls a reader of `style` gives for `text` (`tools` offered)."""
+    reader = call_reader(style, tools)
     parts = [*reader.feed(text), *reader.finish()]
     return "".join(p for p in parts if isinstance(p, str)), [
         (p.name, json.loads(p.arguments)) for p in parts if isinstance(p, ToolCall)]  # fmt: skip
@@ -369,7 +369,7 @@ def test_a_forced_mistral_call_is_held_to_its_tools_schema(style) -> None:
 
     def walk(name: str, rest: str) -> tuple[int, bool]:
         """How many tokens of `rest` the grammar allows in a row, and whether it is done after."""
-        grammar = call_grammar(style, [WEATHER, ALARM], name, args_token)
+        grammar = call_grammar(style, [WEATHER, ALARM], name, {"[ARGS]": args_token}.get)
         held, _, done = allowed_run(tokenizer, matcher_tokenizer, grammar, rest)
         return held, done
 
@@ -385,7 +385,7 @@ def test_a_forced_mistral_call_is_held_to_its_tools_schema(style) -> None:
             if off.startswith(opening):
                 rest = off[len(opening):]
                 assert walk(forced, rest)[0] < len(tokenizer.encode(rest, add_special_tokens=False)), off
-    assert call_grammar(style, [WEATHER], "", None) is None or style == "mistral"  # no [ARGS] token: the model's
+    assert call_grammar(style, [WEATHER], "") is None or style == "mistral"  # no [ARGS] token: the model's
 
 
 FORECAST = {"type": "function", "function": {"name": "forecast", "parameters": {"type": "object", "properties": {
@@ -395,20 +395,39 @@ FORECAST = {"type": "function", "function": {"name": "forecast", "parameters": {
 bmp_text = st.text(st.characters(max_codepoint=0xFFFF, exclude_categories=("Cs",)), max_size=8)
 
 
+#: The markup's tags, which a tokenizer may hold as tokens of their own (as `tool_model`'s does)
+MARKUP_TAGS = ("<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "</parameter>")
+
+
 @pytest.fixture(scope="module")
-def keyword_styles(pythonic_tokenizer, gemma_tokenizer):
-    """By style: the tokenizer, llguidance's view of it, and the id of its string quote token."""
+def keyword_styles(pythonic_tokenizer, gemma_tokenizer, markup_tokenizer):
+    """By style: the tokenizer, llguidance's view of it, and its `token_id` (the tags it holds as
+    tokens: Gemma's quote; the markup's, for "markup+tags", written in text for "markup")."""
     llguidance_hf = pytest.importorskip("llguidance.hf")
+    transformers = pytest.importorskip("transformers")
+    from serve_kit import byte_level_bpe
+    from tokenizers import AddedToken
+
+    bpe = byte_level_bpe(["ab"], 270, ["<unk>"])
+    bpe.add_tokens([AddedToken(t, special=False) for t in MARKUP_TAGS])
+    tagged = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>")
     out = {}
-    for style, tokenizer, end in (("pythonic", pythonic_tokenizer, "<|im_end|>"),
-                                  ("gemma", gemma_tokenizer, "<turn|>")):  # fmt: skip
+    for style, tokenizer, end, tags in (("pythonic", pythonic_tokenizer, "<|im_end|>", ()),
+                                        ("gemma", gemma_tokenizer, "<turn|>", (QUOTE,)),
+                                        ("markup", markup_tokenizer, "<unk>", ()),
+                                        ("markup+tags", tagged, "<unk>", MARKUP_TAGS)):  # fmt: skip
         matcher = llguidance_hf.from_tokenizer(tokenizer, eos_token=tokenizer.convert_tokens_to_ids(end))
-        out[style] = (tokenizer, matcher, tokenizer.convert_tokens_to_ids(QUOTE))
+        out[style] = (tokenizer, matcher, {tag: tokenizer.convert_tokens_to_ids(tag) for tag in tags}.get)
     return out
 
 
 def keyword_call(style: str, name: str, arguments: dict) -> str:
-    """A call as LFM2 (`pythonic`) or Gemma 4 writes it, the arguments in the order given."""
+    """A call as LFM2 (`pythonic`), Gemma 4 or Qwen 3.5 (`markup`) writes it, the arguments in
+    the order given (to its end: without the closing tag the server adds)."""
+    if style == "markup":
+        shown = [f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
+                 for k, v in arguments.items()]  # fmt: skip
+        return f"<tool_call>\n<function={name}>\n{''.join(shown)}</function>"
     if style == "pythonic":
         words = {True: "True", False: "False", None: "None"}
         shown = [f"{k}={words[v] if v is None or isinstance(v, bool) else json.dumps(v)}" for k, v in arguments.items()]
@@ -424,42 +443,47 @@ def keyword_call(style: str, name: str, arguments: dict) -> str:
     return f"{GEMMA_OPEN}call:{name}{{" + ",".join(f"{k}:{gemma(v)}" for k, v in arguments.items()) + "}"
 
 
-@settings(max_examples=60, deadline=None)
-@given(city=bmp_text.filter(lambda t: QUOTE not in t), units=st.sampled_from([None, "c", "f"]),
-       days=st.none() | st.integers(-(10**9), 10**9),
+@settings(max_examples=80, deadline=None)
+@given(city=bmp_text.filter(lambda t: QUOTE not in t and "</parameter>" not in t),
+       units=st.sampled_from([None, "c", "f"]), days=st.none() | st.integers(-(10**9), 10**9),
        hours=st.none() | st.lists(st.floats(-1e6, 1e6) | st.integers(-99, 99), max_size=3),
        alerts=st.sampled_from(["absent", True, False, None]), forced=st.sampled_from(["forecast", ""]),
-       style=st.sampled_from(["pythonic", "gemma"]))  # fmt: skip
-def test_a_forced_keyword_call_is_held_to_its_tools_schema(keyword_styles, city, units, days, hours, alerts, forced,
-                                                           style) -> None:  # fmt: skip
-    """LFM2's calls are Python (`NAME(key=value, ...)`) and Gemma 4's `NAME{key:value,...}`, so a
-    forced one is held by a grammar written from the tool's schema (`keyword_grammar`): after the
-    opening the prompt ends with, a call whose keyword arguments follow the schema (in its order,
-    sorted for Gemma as its template sorts them; the required one always, any optional one at
-    most once), written as the family writes values (Gemma's strings between its quote token), is
-    allowed token by token to its end, where the answer ends, and reads back (with the closing tag
-    the server adds) as that call; a call that breaks the schema (a value of another type, a key
-    it lacks, the required one missing, keys out of order, a tool not offered) is masked on the way."""
+       styled=st.sampled_from(["pythonic", "gemma", "markup", "markup+tags"]))  # fmt: skip
+def test_a_forced_call_in_keyword_syntax_is_held_to_its_tools_schema(keyword_styles, city, units, days, hours,
+                                                                     alerts, forced, styled) -> None:  # fmt: skip
+    """LFM2's calls are Python (`NAME(key=value, ...)`), Gemma 4's `NAME{key:value,...}` and Qwen
+    3.5's markup one `<parameter=KEY>` block per argument, so a forced one is held by a grammar
+    written from the tool's schema (`keyword_grammar`): after the opening the prompt ends with, a
+    call whose arguments follow the schema (in its order, sorted for Gemma as its template sorts
+    them; the required one always, any optional one at most once), written as the family writes
+    values (Gemma's strings between its quote token; the markup's strings as they are, its tags
+    tokens of their own or text), is allowed token by token to its end, where the answer ends, and
+    reads back (with the closing tag the server adds) as that call; a call that breaks the schema
+    (a value of another type, a key it lacks, the required one missing, keys out of order, a tool
+    not offered) is masked on the way."""
     from kvcache.serve.api import HELD_CLOSINGS
     from kvcache.serve.grammar import call_grammar
     from kvcache.serve.tools import call_opening
 
-    tokenizer, matcher, quote = keyword_styles[style]
+    tokenizer, matcher, token_id = keyword_styles[styled]
+    style = styled.removesuffix("+tags")
     arguments = {"alerts": alerts, "city": city, "days": days, "hours": hours, "units": units}
-    if style == "pythonic":  # (the schema's order)
+    if style != "gemma":  # (the schema's order)
         arguments = {k: arguments[k] for k in FORECAST["function"]["parameters"]["properties"]}
     kept = [k for k, v in arguments.items() if v != "absent" and (v is not None or k == "alerts")]
     arguments = {k: arguments[k] for k in kept}
-    grammar = call_grammar(style, [WEATHER, FORECAST], forced, quote_token=quote)
+    grammar = call_grammar(style, [WEATHER, FORECAST], forced, token_id)
     opening = call_opening(style, forced)
     text = keyword_call(style, "forecast", arguments)
     assert text.startswith(opening)
     held, total, done = allowed_run(tokenizer, matcher, grammar, text[len(opening):])
     assert (held, done) == (total, True), text
-    assert read_styled(text + HELD_CLOSINGS[style], style) == ("", [("forecast", arguments)])
-    broken = [{**arguments, "days": "3"}, {**arguments, "town": "x"},
+    assert read_styled(text + HELD_CLOSINGS[style], style, [FORECAST]) == ("", [("forecast", arguments)])
+    broken = [{**arguments, "days": "three"}, {**arguments, "town": "x"},
               {k: v for k, v in arguments.items() if k != "city"},
               dict(reversed(arguments.items())) if len(arguments) > 1 else {**arguments, "city": 3}]  # fmt: skip
+    if style == "markup" and len(arguments) == 1:
+        broken.pop()  # (the markup writes a string as it is: 3 is the string "3")
     for other in [keyword_call(style, "forecast", b) for b in broken] + [keyword_call(style, "set_alarm", arguments)]:
         if other.startswith(opening):
             held, total, done = allowed_run(tokenizer, matcher, grammar, other[len(opening):])
@@ -826,26 +850,20 @@ OPENINGS = {
 }
 
 
-#: The styles whose forced calls are the model's own (no grammar holds them to the schema)
-FREE = ("markup",)
-
-
 def test_a_forced_tool_choice_starts_the_answer_with_the_call(tool_server) -> None:
     """`tool_choice` "required" or a named function: the prompt is the template's rendering and the
     start of a call as the template writes one (its tokens count as the prompt's), the model goes
     on from there, and the call comes back as `tool_calls`, whole, streamed and through the
-    Responses API. Where the call is JSON, its rest is held to the tool's schema (one call whose
-    arguments follow the schema, whatever the model would write: the tiny model was never taught
-    to call for a greeting; Mistral's, LFM2's and Gemma's too); markup calls are the model's own,
-    and one it does not complete is content, the forced start included. A thinking model's forced
-    answer skips its reasoning (an empty block, closed in the prompt)."""
+    Responses API. In every format the rest is held to the tool's schema: one call whose arguments
+    follow the schema, whatever the model would write (the tiny model was never taught to call for
+    a greeting); a call cut by `max_tokens` is content, the forced start included. A thinking
+    model's forced answer skips its reasoning (an empty block, closed in the prompt)."""
     from transformers import AutoTokenizer
 
     process, where, taught, style = tool_server
     c = client(process)
     tokenizer = AutoTokenizer.from_pretrained(where)
     named = {"type": "function", "function": {"name": "get_weather"}}
-    rome_oslo = [("get_weather", {"city": "Rome"}), ("get_weather", {"city": "Oslo"})]
     for messages, _, _, _ in taught[:4]:
         rendered = tokenizer.apply_chat_template(template_messages(messages), tools=TOOLS, tokenize=False,
                                                  add_generation_prompt=True)  # fmt: skip
@@ -856,20 +874,20 @@ def test_a_forced_tool_choice_starts_the_answer_with_the_call(tool_server) -> No
             message, finish = whole.choices[0].message, whole.choices[0].finish_reason
             if message.tool_calls is None:  # the model did not complete a call: what it wrote is content
                 assert message.content.startswith(opening) and finish != "tool_calls"
-                assert style in FREE or finish == "length"  # (a held call ends only with its object)
+                assert finish == "length"  # (a held call ends only with its end)
             else:
                 assert finish == "tool_calls" and message.content is None
                 assert all(t.function.name == "get_weather" for t in message.tool_calls)
-                if style not in FREE:  # held to the schema: one call, a string city
-                    (call,) = message.tool_calls
-                    assert isinstance(json.loads(call.function.arguments)["city"], str)
-    # the model was taught these two calls: forced, it writes them from the forced start on (the
-    # first alone where the call is held to its schema)
-    messages, expected = taught[1][0], rome_oslo if style in FREE else rome_oslo[:1]
+                (call,) = message.tool_calls  # held to the schema: one call, a string city
+                assert isinstance(json.loads(call.function.arguments)["city"], str)
+    # the model was taught these two calls: forced, it writes the first from the forced start on
+    # (held to its schema, the answer ends with it)
+    messages, expected = taught[1][0], [("get_weather", {"city": "Rome"})]
     for choice in ("required", named):
         body = {"model": "tool-model", "messages": messages, "tools": TOOLS, "tool_choice": choice, "temperature": 0,
                 "max_tokens": 80}  # fmt: skip
         message = c.chat.completions.create(**body).choices[0].message
+        assert message.tool_calls is not None, (message.content, choice)
         assert [(t.function.name, json.loads(t.function.arguments)) for t in message.tool_calls] == expected
         assert message.content is None
         assert streamed(c, **body) == (None, expected, "tool_calls")

@@ -33,9 +33,7 @@ from . import responses
 from .completion import Completion, stream, usage, watch, whole
 from .engine import Engine, Request
 from .gemma_calls import CLOSE as GEMMA_CLOSE
-from .gemma_calls import QUOTE as GEMMA_QUOTE
 from .grammar import call_grammar
-from .mistral_calls import ARGS as MISTRAL_ARGS
 from .pythonic_calls import CLOSE as PYTHONIC_CLOSE
 from .reasoning import closing, opened_in, reasoning_tags
 from .schema import ApiError, Limits, Params, chat_params, completion_params, parse_json
@@ -43,7 +41,7 @@ from .served import ServedModel
 from .tools import CLOSE, call_opening, call_style, tools_refused
 
 #: What a call held to its schema leaves for the template to write, by call style (read as written)
-HELD_CLOSINGS = {"json": "\n" + CLOSE, "pythonic": PYTHONIC_CLOSE, "gemma": GEMMA_CLOSE}
+HELD_CLOSINGS = {"json": "\n" + CLOSE, "markup": "\n" + CLOSE, "pythonic": PYTHONIC_CLOSE, "gemma": GEMMA_CLOSE}
 
 
 def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = None,
@@ -150,9 +148,7 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
                 if params.forced_tool is not None:  # (the tools' schemas hold the call's rest, where they can)
                     style = params.call_style or "json"  # (a forced call: tools offered)
                     params.opening = call_opening(style, params.forced_tool)
-                    params.grammar = call_grammar(style, params.tools or [], params.forced_tool,
-                                                  args_token=served.token_id(MISTRAL_ARGS),
-                                                  quote_token=served.token_id(GEMMA_QUOTE))  # fmt: skip
+                    params.grammar = call_grammar(style, params.tools or [], params.forced_tool, served.token_id)
                     held = params.grammar is not None  # (a held call ends before its template's closing tag)
                     params.closing = HELD_CLOSINGS.get(style, "") if held else ""
                 prompt += (closing(tags) if tags is not None and params.reasoning else "") + params.opening

@@ -22,7 +22,9 @@ import torch
 
 from ..errors import CacheInputError
 from .api_error import ApiError
-from .keyword_grammar import PYTHONIC, gemma_syntax, keyword_call_lark
+from .gemma_calls import QUOTE as GEMMA_QUOTE
+from .keyword_grammar import PYTHONIC, gemma_syntax, keyword_call_lark, markup_call_lark
+from .mistral_calls import ARGS as MISTRAL_ARGS
 
 INSTALL = "pip install 'kvcache[serve]'"
 #: The whitespace allowed between JSON tokens: any layout a model writes (indented objects nested
@@ -65,22 +67,27 @@ def grammar_of(response_format: Any, param: str = "response_format") -> str | No
     return grammar
 
 
-def call_grammar(style: str, tools: list[dict[str, Any]], name: str, args_token: int | None = None,
-                 quote_token: int | None = None) -> str | None:  # fmt: skip
+def call_grammar(style: str, tools: list[dict[str, Any]], name: str,
+                 token_id: Callable[[str], int | None] = lambda text: None) -> str | None:  # fmt: skip
     """The grammar of the rest of a forced call after its opening (`tools.call_opening`): the tool's
     name where the opening left it out ("required": one of the `tools`), then its arguments as its
     parameters' JSON Schema says, then what closes the call's object (`}`; `}]` for Mistral's
     JSON list; nothing after Mistral's `NAME[ARGS]{...}`, which ends the answer). The answer ends
     there: a tagged call's closing tag, often a token of its own, is the template's, added by the
-    reader (`Completion`'s `closing`). Mistral's `[ARGS]` is a control token: a call to a tool
-    the model picks names it by id (`args_token`; without one, that call is the model's own).
-    LFM2's Python calls and Gemma 4's `key:value` ones are held to the schema as `keyword_grammar`
-    writes them (Gemma's strings between its quote token, `quote_token`), to their `)]` or `}`.
-    None for markup calls, without llguidance, or for schemas it cannot follow (the call is then
-    the model's alone)."""
+    reader (`Completion`'s `closing`). LFM2's Python calls, Gemma 4's `key:value` ones and Qwen
+    3.5's markup are held to the schema as `keyword_grammar` writes them. `token_id` gives the id
+    of a tag the tokenizer holds as one token (`TextModel.token_id`): such a tag inside a call
+    (Mistral's `[ARGS]`, Gemma's string quote, the markup's tags) is that token, which no text
+    matches (a Gemma call, or a Mistral call to a tool the model picks, without its token is the
+    model's own). None without llguidance, or for schemas it cannot follow (the call is then the
+    model's alone)."""
     llguidance = _llguidance()
-    if style not in ("json", "bare", "mistral", "mistral-args", "pythonic", "gemma") or llguidance is None:
+    if llguidance is None or style not in ("json", "bare", "mistral", "mistral-args", "pythonic", "gemma", "markup"):
         return None
+    if style == "markup":
+        lark = markup_call_lark(tools, name, WHITESPACE, token_id)
+        return None if lark is None else _valid(llguidance, lark)
+    args_token, quote_token = token_id(MISTRAL_ARGS), token_id(GEMMA_QUOTE)
     if (style == "mistral-args" and not name and args_token is None) or (style == "gemma" and quote_token is None):
         return None
     if style in ("pythonic", "gemma"):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,3 +163,59 @@ def keyword_call_lark(syntax: Syntax, tools: list[dict[str, Any]], name: str) ->
         choices.append(arguments if name else f"{json.dumps(called + syntax.opening)} {arguments}")
     lines = [f"start: ({' | '.join(choices)}) {json.dumps(syntax.end)}", *rules.lines, syntax.literal]
     return "\n".join([*lines, COMMON.strip(), syntax.terminals])
+
+
+def markup_call_lark(tools: list[dict[str, Any]], name: str, whitespace: str,
+                     token_id: Callable[[str], int | None]) -> str | None:  # fmt: skip
+    """The Lark grammar of the rest of a forced markup call (Qwen 3.5's; `call_formats`) to `name`
+    ("": to one of `tools`) after its opening, to its `</function>`: each parameter of the schema
+    in its order as the template writes it (`<parameter=KEY>`, the value on lines of its own), the
+    required ones always. A string is written as it is: any text up to `</parameter>` (one of an
+    enum's strings where it lists strings); any other value as JSON of its schema (the template's
+    `tojson`), `whitespace` between JSON's tokens. A tag the tokenizer holds as one token
+    (`token_id`) is that token. None where a key cannot be written in the markup."""
+    opening, closing, end = (_tag(t, token_id) for t in ("<parameter=", "</parameter>", "</function>"))
+    text = "/(.|\\n)*/ " + closing if closing.startswith("<[") else "text"  # (no text matches a token)
+    lines: list[str] = []
+    choices = []
+    for tool in tools:
+        called = tool["function"]["name"]
+        if name and called != name:
+            continue
+        schema = tool["function"].get("parameters")
+        schema = schema if isinstance(schema, dict) else {}
+        properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        if not all(re.fullmatch(r"[^<>\n]+", key) for key in properties):
+            return None
+        items = []
+        for key, about in properties.items():
+            rule = f"r{len(lines)}"
+            lines.append(f"{rule}: {_markup_value(about, whitespace, text, closing)}")
+            item = f"{opening} {json.dumps(key + '>' + chr(10))} {rule}"
+            items.append(item if key in (schema.get("required") or []) else f"({item})?")
+        head = "" if name else json.dumps(called + ">\n")
+        choices.append(" ".join([head, *items]).strip())
+    written = [c for c in choices if c]
+    body = f"({' | '.join(written)}){'?' if len(written) < len(choices) else ''} " if written else ""
+    lazy = [] if closing.startswith("<[") else ["text[lazy]: /(.|\\n)*\\n<\\/parameter>/"]
+    return "\n".join([f"start: {body}{end}", *lines, *lazy])
+
+
+def _tag(text: str, token_id: Callable[[str], int | None]) -> str:
+    """A tag as a grammar writes it: its token where the tokenizer holds it as one, else its text."""
+    found = token_id(text)
+    return json.dumps(text) if found is None else f"<[{found}]>"
+
+
+def _markup_value(schema: Any, whitespace: str, text: str, closing: str) -> str:
+    """The body of a rule for a parameter's value and the `</parameter>` line after it (`text`:
+    any text up to and with `closing`, the tag's token or text)."""
+    after = f'"\\n" {closing} "\\n"' if closing.startswith("<[") else '"\\n</parameter>\\n"'
+    about = schema if isinstance(schema, dict) else {}
+    choices = about["enum"] if isinstance(about.get("enum"), list) else [about["const"]] if "const" in about else None
+    if choices and all(isinstance(c, str) for c in choices):
+        return "(" + " | ".join(json.dumps(c) for c in choices) + f") {after}"
+    kinds = about.get("type")
+    if choices or kinds is None or kinds == "string" or (isinstance(kinds, list) and "string" in kinds):
+        return f'{text} "\\n"'  # text as it is (strings written bare among other values too)
+    return f"%json {json.dumps({**about, 'x-guidance': {'whitespace_pattern': whitespace}})} {after}"
