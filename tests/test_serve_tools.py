@@ -253,6 +253,7 @@ def test_what_is_not_one_gemma_call_stays_text() -> None:
     assert one(f"{GEMMA_OPEN}call:f{{a:{q}x{q},b:[1, 2.5, true],c:{{d:null}}}}{GEMMA_CLOSE}") == (
         "", [("f", {"a": "x", "b": [1, 2.5, True], "c": {"d": None}})])
     assert one(f'{GEMMA_OPEN} call:f {{ "a" : "x" }} {GEMMA_CLOSE}') == ("", [("f", {"a": "x"})])  # JSON strings
+    assert one(f"{GEMMA_OPEN}call:f{{a:None,b:[None]}}{GEMMA_CLOSE}") == ("", [("f", {"a": None, "b": [None]})])
     for body in ("call:f{a:word}", f"call:f{{a:{q}x}}", "call:f{a:1", "call:f{a:1}x", "call:f[1]", "f{a:1}",
                  "call:f{a 1}", "call:f{a:1 b:2}", "call:{a:1}"):  # fmt: skip
         assert one(f"Hi {GEMMA_OPEN}{body}{GEMMA_CLOSE}") == (f"Hi{GEMMA_OPEN}{body}{GEMMA_CLOSE}", [])
@@ -297,7 +298,10 @@ def test_what_is_not_a_list_of_pythonic_calls_stays_text() -> None:
     o, c = PYTHONIC_OPEN, PYTHONIC_CLOSE
     assert one(f"{o}f(a=true, b=null, c=(1, 2), d={{'k': -1.5}}){c}") == (
         "", [("f", {"a": True, "b": None, "c": [1, 2], "d": {"k": -1.5}})])  # JSON spellings, a bare call
-    for body in ("[f(1)]", "[f(a=x)]", "[f(a=1+2)]", "[os.system(a='x')]", "[f(**k)]", "[]", "[f(a={1, 2})]",
+    assert one(f'{o}[{{"name": "f", "arguments": {{"a": [true, null]}}, "id": "x"}}, g(b=\'y\')]{c}') == (
+        "", [("f", {"a": [True, None]}), ("g", {"b": "y"})])  # calls written as JSON objects (as some templates do)
+    for body in ("[f(1)]", '[{"name": "f", "arguments": [1]}]', '[{"name": 1}]', '[{"name": "f", "x": 1}]',
+                 "[f(a=x)]", "[f(a=1+2)]", "[os.system(a='x')]", "[f(**k)]", "[]", "[f(a={1, 2})]",
                  "[f(a=1e999)]", "[f(a={1: 2})]", "f(a=1); g()", "[f(a=1)", "['f']", "[f(a=b'x')]",
                  "__import__('os')"):  # fmt: skip
         assert one(f"Hi {o}{body}{c}") == (f"Hi{o}{body}{c}", [])
@@ -350,8 +354,9 @@ def test_a_forced_mistral_call_is_held_to_its_tools_schema(style) -> None:
     """Mistral's calls carry JSON arguments, so a forced one is held to the tool's schema as a
     tagged JSON call is: after the opening the prompt ends with, each token of the call as the
     template writes it is allowed in turn (`[ARGS]` as the control token it is, where the model
-    picks the tool) and the answer ends with the call's end, which reads back as that one call;
-    arguments off the schema, or a tool not offered, are masked on the way."""
+    picks the tool) and the answer ends with the call's end, which reads back as that one call
+    (v3's with or without the id its templates write after the arguments); arguments off the
+    schema, a tool not offered, or an id of another length, are masked on the way."""
     llguidance_hf = pytest.importorskip("llguidance.hf")
     from tool_model import MISTRAL_TAGS, MISTRAL_TEMPLATE
 
@@ -362,9 +367,10 @@ def test_a_forced_mistral_call_is_held_to_its_tools_schema(style) -> None:
     args_token = tokenizer.convert_tokens_to_ids("[ARGS]")
     matcher_tokenizer = llguidance_hf.from_tokenizer(tokenizer, eos_token=tokenizer.convert_tokens_to_ids("</s>"))
 
-    def written(name: str, arguments: str) -> str:
+    def written(name: str, arguments: str, call_id: str = "") -> str:
         if style == "mistral":
-            return '[TOOL_CALLS] [{"name": "' + name + '", "arguments": ' + arguments + "}]"
+            named = '[TOOL_CALLS] [{"name": "' + name + '", "arguments": ' + arguments
+            return named + (f', "id": "{call_id}"' if call_id else "") + "}]"
         return f"[TOOL_CALLS]{name}[ARGS]{arguments}"
 
     def walk(name: str, rest: str) -> tuple[int, bool]:
@@ -373,15 +379,16 @@ def test_a_forced_mistral_call_is_held_to_its_tools_schema(style) -> None:
         held, _, done = allowed_run(tokenizer, matcher_tokenizer, grammar, rest)
         return held, done
 
-    for forced in ("set_alarm", ""):
+    for forced, call_id in itertools.product(("set_alarm", ""), ("", "a1b2c3d4e")):
         opening = call_opening(style, forced)
-        text = written("set_alarm", '{"hour": 7}')
+        text = written("set_alarm", '{"hour": 7}', call_id)
         assert text.startswith(opening)
         rest = text[len(opening):]
         assert walk(forced, rest) == (len(tokenizer.encode(rest, add_special_tokens=False)), True)
         assert read_styled(text, style) == ("", [("set_alarm", {"hour": 7})])
         for off in (written("set_alarm", '{"hour": "7"}'), written("set_alarm", '{"minute": 7}'),
-                    written("set_timer", '{"hour": 7}')):  # fmt: skip
+                    written("set_timer", '{"hour": 7}')) + ((written("set_alarm", '{"hour": 7}', "a1b2"),)
+                                                            if style == "mistral" else ()):  # fmt: skip
             if off.startswith(opening):
                 rest = off[len(opening):]
                 assert walk(forced, rest)[0] < len(tokenizer.encode(rest, add_special_tokens=False)), off
@@ -421,16 +428,19 @@ def keyword_styles(pythonic_tokenizer, gemma_tokenizer, markup_tokenizer):
     return out
 
 
-def keyword_call(style: str, name: str, arguments: dict) -> str:
+def keyword_call(style: str, name: str, arguments: dict, python_strings: bool = True) -> str:
     """A call as LFM2 (`pythonic`), Gemma 4 or Qwen 3.5 (`markup`) writes it, the arguments in
-    the order given (to its end: without the closing tag the server adds)."""
+    the order given (to its end: without the closing tag the server adds); LFM2's strings as
+    Python writes them (`repr`, single quotes mostly, as LFM2.5's template does) or in double
+    quotes (`python_strings` False, as LFM2's model card shows), its other values as Python's
+    `str` writes them."""
     if style == "markup":
         shown = [f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
                  for k, v in arguments.items()]  # fmt: skip
         return f"<tool_call>\n<function={name}>\n{''.join(shown)}</function>"
     if style == "pythonic":
-        words = {True: "True", False: "False", None: "None"}
-        shown = [f"{k}={words[v] if v is None or isinstance(v, bool) else json.dumps(v)}" for k, v in arguments.items()]
+        shown = [f"{k}={(repr(v) if python_strings else json.dumps(v)) if isinstance(v, str) else str(v)}"
+                 for k, v in arguments.items()]  # fmt: skip
         return f"{PYTHONIC_OPEN}[{name}({', '.join(shown)})]"
 
     def gemma(v: object) -> str:
@@ -448,9 +458,11 @@ def keyword_call(style: str, name: str, arguments: dict) -> str:
        units=st.sampled_from([None, "c", "f"]), days=st.none() | st.integers(-(10**9), 10**9),
        hours=st.none() | st.lists(st.floats(-1e6, 1e6) | st.integers(-99, 99), max_size=3),
        alerts=st.sampled_from(["absent", True, False, None]), forced=st.sampled_from(["forecast", ""]),
-       styled=st.sampled_from(["pythonic", "gemma", "markup", "markup+tags"]))  # fmt: skip
+       styled=st.sampled_from(["pythonic", "gemma", "markup", "markup+tags"]),
+       python_strings=st.booleans())  # fmt: skip
 def test_a_forced_call_in_keyword_syntax_is_held_to_its_tools_schema(keyword_styles, city, units, days, hours,
-                                                                     alerts, forced, styled) -> None:  # fmt: skip
+                                                                     alerts, forced, styled,
+                                                                     python_strings) -> None:  # fmt: skip
     """LFM2's calls are Python (`NAME(key=value, ...)`), Gemma 4's `NAME{key:value,...}` and Qwen
     3.5's markup one `<parameter=KEY>` block per argument, so a forced one is held by a grammar
     written from the tool's schema (`keyword_grammar`): after the opening the prompt ends with, a
@@ -474,7 +486,7 @@ def test_a_forced_call_in_keyword_syntax_is_held_to_its_tools_schema(keyword_sty
     arguments = {k: arguments[k] for k in kept}
     grammar = call_grammar(style, [WEATHER, FORECAST], forced, token_id)
     opening = call_opening(style, forced)
-    text = keyword_call(style, "forecast", arguments)
+    text = keyword_call(style, "forecast", arguments, python_strings)
     assert text.startswith(opening)
     held, total, done = allowed_run(tokenizer, matcher, grammar, text[len(opening):])
     assert (held, done) == (total, True), text

@@ -1,7 +1,8 @@
 """Gemma 4's tool calls, read into a `ToolCall`: each call between the special tokens
 `<|tool_call>` and `<tool_call|>` as `call:NAME{key:value,...}`, where a key is written bare, a
 string between two `<|"|>` tokens (no escaping: the delimiter cannot occur inside), a number,
-`true`, `false` and `null` as JSON writes them, and objects and arrays as `{key:value,...}` and
+`true`, `false` and `null` as JSON writes them (`None` too, as Gemma 4's template writes a null),
+and objects and arrays as `{key:value,...}` and
 `[value,...]` of the same. Whitespace between the parts is allowed; a JSON string (in double
 quotes) is read as well, as a model trained on JSON may write one. What does not read as exactly
 one call of this shape is not a call (the reader then shows the text as the model wrote it)."""
@@ -16,7 +17,7 @@ from .call_formats import ToolCall
 OPEN, CLOSE, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
 _HEAD = re.compile(r"\s*call:([A-Za-z0-9_.-]+)\s*(?=\{)")
 _NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
-_WORDS = {"true": True, "false": False, "null": None}
+_WORDS = {"true": True, "false": False, "null": None, "None": None}  # (Gemma 4's template writes a null as None)
 _JSON = json.JSONDecoder()
 
 
@@ -53,7 +54,7 @@ def _value(text: str, at: int) -> tuple[object, int]:
     if text[at] in "{[":
         return _container(text, at)
     number = _NUMBER.match(text, at)
-    word = re.match(r"[a-z]+", text[at:])
+    word = re.match(r"[A-Za-z]+", text[at:])
     if word is not None and word.group() in _WORDS:
         return _WORDS[word.group()], at + word.end()
     if number is not None:

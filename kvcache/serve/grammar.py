@@ -95,7 +95,8 @@ def call_grammar(style: str, tools: list[dict[str, Any]], name: str,
         lark = keyword_call_lark(syntax, tools, name)
         return None if lark is None else _valid(llguidance, lark)
     field = "parameters" if style == "bare" else "arguments"
-    end = {"mistral": "}]", "mistral-args": ""}.get(style, "}")
+    # Mistral's v3 templates write each call's id after its arguments (nine letters and digits)
+    end = {"mistral": r'(", \"id\": " /"[A-Za-z0-9]{9}"/)? "}]"', "mistral-args": ""}.get(style, '"}"')
     rules, choices = [], []
     for i, tool in enumerate(t for t in tools if not name or t["function"]["name"] == name):
         schema = {**(tool["function"].get("parameters") or {"type": "object"}),
@@ -107,7 +108,7 @@ def call_grammar(style: str, tools: list[dict[str, Any]], name: str,
             continue
         head = "" if name else json.dumps(f" {json.dumps(called)}, \"{field}\":") + " "
         choices.append(f'{head}" " args{i}')
-    lark = "\n".join([f"start: ({' | '.join(choices)})" + (f" {json.dumps(end)}" if end else ""), *rules])
+    lark = "\n".join([f"start: ({' | '.join(choices)}) {end}".strip(), *rules])
     return _valid(llguidance, lark)
 
 

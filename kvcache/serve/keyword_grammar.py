@@ -30,8 +30,10 @@ NUMBER: /-?(0|[1-9][0-9]{0,30})(\.[0-9]{1,30})?([eE](\+?[0-9]{1,2}|-[0-9]{1,3}))
 SEP: /, ?/
 KEY: /[A-Za-z_][A-Za-z0-9_]{0,63}/
 """
-#: Python's strings in double quotes, with the escapes that mean the same in Python and JSON
-PYTHON_STRING = r'STRING: /"([^"\\\x00-\x1f]|\\["\\\/bfnrt]|\\u[0-9a-fA-F]{4})*"/'
+#: Python's strings, in single quotes (as LFM2.5's template writes them) or double quotes (as LFM2's
+#: model card shows them), with the escapes Python's `repr` writes
+PYTHON_STRING = (r"""STRING: /"([^"\\\x00-\x1f]|\\(["'\\bfnrt]|x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}))*"/"""
+                 r"""  | /'([^'\\\x00-\x1f]|\\(["'\\bfnrt]|x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}))*'/""")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -50,16 +52,16 @@ class Syntax:
 
     def quoted(self, value: str) -> str:
         """The expression of the one string `value`."""
-        if self.string == "STRING":
-            return json.dumps(json.dumps(value))
+        if self.string == "STRING":  # Python's: either quote
+            return f"({json.dumps(json.dumps(value))} | {json.dumps(repr(value))})"
         quote = self.string.split()[0]
         return f"{quote} {json.dumps(value)} {quote}"
 
 
 PYTHONIC = Syntax(
     "=", ("True", "False", "None"), "STRING",
-    'literal: STRING | NUMBER | "True" | "False" | "None" | "[" (literal (SEP literal)*)? "]"\n'
-    '    | "{" (STRING ": " literal (SEP STRING ": " literal)*)? "}"',
+    'literal: STRING | NUMBER | "True" | "False" | "None" | "true" | "false" | "null" | "[" (literal (SEP literal)*)?'
+    ' "]" | "{" (STRING ": " literal (SEP STRING ": " literal)*)? "}"',
     PYTHON_STRING, "(", ")]", False, re.compile(r"[A-Za-z_][A-Za-z0-9_]*"))  # fmt: skip
 
 

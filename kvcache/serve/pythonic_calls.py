@@ -4,8 +4,9 @@ arguments whose values are Python literals: `[get_weather(city="Paris"), search(
 
 The list is parsed as Python (`ast`), never run: only a list of calls (or one call) by plain name, with
 keyword arguments only, each a literal (strings, numbers, `True`/`False`/`None` and the JSON
-spellings `true`/`false`/`null`, lists, dicts with string keys, tuples as lists). Anything else
-is not calls (the reader then shows the text as the model wrote it)."""
+spellings `true`/`false`/`null`, lists, dicts with string keys, tuples as lists); an item may
+also be a JSON object `{"name": ..., "arguments": {...}}`, as some LFM2 templates render earlier
+calls. Anything else is not calls (the reader then shows the text as the model wrote it)."""
 
 from __future__ import annotations
 
@@ -31,11 +32,24 @@ def read_pythonic_calls(body: str) -> list[ToolCall] | None:
     nodes = tree.elts if isinstance(tree, ast.List) else [tree]
     calls = []
     for node in nodes:
-        call = _call(node)
+        call = _call(node) if not isinstance(node, ast.Dict) else _json_call(node)
         if call is None:
             return None
         calls.append(call)
     return calls or None
+
+
+def _json_call(node: ast.Dict) -> ToolCall | None:
+    """A call written as JSON's `{"name": ..., "arguments": {...}}` (as some LFM2 templates render
+    the calls of earlier turns, so a model may write them so)."""
+    try:
+        value = _literal(node)
+    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+        return None
+    name, arguments = value.get("name"), value.get("arguments", {})
+    if not isinstance(name, str) or not isinstance(arguments, dict) or set(value) - {"name", "arguments", "id"}:
+        return None
+    return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
 
 
 def _call(node: ast.AST) -> ToolCall | None:
