@@ -433,10 +433,12 @@ def keyword_call(style: str, name: str, arguments: dict, python_strings: bool = 
     the order given (to its end: without the closing tag the server adds); LFM2's strings as
     Python writes them (`repr`, single quotes mostly, as LFM2.5's template does) or in double
     quotes (`python_strings` False, as LFM2's model card shows), its other values as Python's
-    `str` writes them."""
-    if style == "markup":
-        shown = [f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
-                 for k, v in arguments.items()]  # fmt: skip
+    `str` writes them; the markup's numbers, booleans and nulls as Python's `str` writes them (as
+    Qwen's templates do with Jinja's `string`) or as JSON (`python_strings` False)."""
+    if style == "markup":  # (numbers, booleans and nulls as Jinja's `string` writes them, or as JSON)
+        written = str if python_strings else json.dumps
+        shown = [f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v) if isinstance(v, list) else written(v)}"
+                 "\n</parameter>\n" for k, v in arguments.items()]  # fmt: skip
         return f"<tool_call>\n<function={name}>\n{''.join(shown)}</function>"
     if style == "pythonic":
         shown = [f"{k}={(repr(v) if python_strings else json.dumps(v)) if isinstance(v, str) else str(v)}"

@@ -200,7 +200,7 @@ def markup_call_lark(tools: list[dict[str, Any]], name: str, whitespace: str,
     written = [c for c in choices if c]
     body = f"({' | '.join(written)}){'?' if len(written) < len(choices) else ''} " if written else ""
     lazy = [] if closing.startswith("<[") else ["text[lazy]: /(.|\\n)*\\n<\\/parameter>/"]
-    return "\n".join([f"start: {body}{end}", *lines, *lazy])
+    return "\n".join([f"start: {body}{end}", *lines, *lazy, COMMON.strip()])
 
 
 def _tag(text: str, token_id: Callable[[str], int | None]) -> str:
@@ -220,4 +220,14 @@ def _markup_value(schema: Any, whitespace: str, text: str, closing: str) -> str:
     kinds = about.get("type")
     if choices or kinds is None or kinds == "string" or (isinstance(kinds, list) and "string" in kinds):
         return f'{text} "\\n"'  # text as it is (strings written bare among other values too)
+    scalars = [kinds] if isinstance(kinds, str) else kinds if isinstance(kinds, list) else []
+    if scalars and all(kind in MARKUP_SCALARS for kind in scalars):  # as Jinja's `string` or `tojson` writes them
+        return "(" + " | ".join(MARKUP_SCALARS[kind] for kind in scalars) + f") {after}"
     return f"%json {json.dumps({**about, 'x-guidance': {'whitespace_pattern': whitespace}})} {after}"
+
+
+#: The markup's scalars: Qwen's templates write a number, a boolean or a null with Jinja's `string`
+#: (Python's spelling: `True`, `None`) or, in later ones, `tojson` (`true`, `null`); the reader
+#: takes either
+MARKUP_SCALARS = {"integer": "INTEGER", "number": "NUMBER", "boolean": '("true" | "false" | "True" | "False")',
+                  "null": '("null" | "None")'}  # fmt: skip
