@@ -434,7 +434,8 @@ def keyword_call(style: str, name: str, arguments: dict, python_strings: bool = 
     Python writes them (`repr`, single quotes mostly, as LFM2.5's template does) or in double
     quotes (`python_strings` False, as LFM2's model card shows), its other values as Python's
     `str` writes them; the markup's numbers, booleans and nulls as Python's `str` writes them (as
-    Qwen's templates do with Jinja's `string`) or as JSON (`python_strings` False)."""
+    Qwen's templates do with Jinja's `string`) or as JSON (`python_strings` False); Gemma's null
+    as its template writes it (`None`) or as JSON."""
     if style == "markup":  # (numbers, booleans and nulls as Jinja's `string` writes them, or as JSON)
         written = str if python_strings else json.dumps
         shown = [f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v) if isinstance(v, list) else written(v)}"
@@ -450,7 +451,7 @@ def keyword_call(style: str, name: str, arguments: dict, python_strings: bool = 
             return QUOTE + v + QUOTE
         if isinstance(v, list):
             return "[" + ",".join(gemma(x) for x in v) + "]"
-        return json.dumps(v)
+        return "None" if v is None and python_strings else json.dumps(v)  # (Gemma 4's template writes None)
 
     return f"{GEMMA_OPEN}call:{name}{{" + ",".join(f"{k}:{gemma(v)}" for k, v in arguments.items()) + "}"
 

@@ -41,7 +41,7 @@ class Syntax:
     """How one family writes a call's arguments."""
 
     assign: str  # between a key and its value
-    words: tuple[str, str, str]  # true, false and null as written
+    words: tuple[str, str, str]  # the expressions of true, false and null as written
     string: str  # the expression of any string
     literal: str  # the rule `literal`: any value the reader takes
     terminals: str  # what `string` and `literal` need beyond `COMMON`
@@ -59,7 +59,7 @@ class Syntax:
 
 
 PYTHONIC = Syntax(
-    "=", ("True", "False", "None"), "STRING",
+    "=", ('"True"', '"False"', '"None"'), "STRING",
     'literal: STRING | NUMBER | "True" | "False" | "None" | "true" | "false" | "null" | "[" (literal (SEP literal)*)?'
     ' "]" | "{" (STRING ": " literal (SEP STRING ": " literal)*)? "}"',
     PYTHON_STRING, "(", ")]", False, re.compile(r"[A-Za-z_][A-Za-z0-9_]*"))  # fmt: skip
@@ -68,8 +68,9 @@ PYTHONIC = Syntax(
 def gemma_syntax(quote_token: int) -> Syntax:
     """Gemma 4's, its string quote being the token `quote_token`."""
     string = f"<[{quote_token}]> TEXT <[{quote_token}]>"
-    return Syntax(":", ("true", "false", "null"), string,
-                  f'literal: {string} | NUMBER | "true" | "false" | "null" | "[" (literal (SEP literal)*)? "]"\n'
+    return Syntax(":", ('"true"', '"false"', '("null" | "None")'), string,  # (its template writes a null None)
+                  f'literal: {string} | NUMBER | "true" | "false" | "null" | "None" | "[" (literal (SEP literal)*)?'
+                  ' "]"\n'
                   '    | "{" (KEY ":" literal (SEP KEY ":" literal)*)? "}"',
                   r"TEXT: /(.|\n)*/", "{", "}", True, re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*"))  # fmt: skip
 
@@ -105,7 +106,7 @@ class _Rules:
     def _one(self, value: Any) -> str:
         true, false, null = self.syntax.words
         if value is None or isinstance(value, bool):
-            return json.dumps({True: true, False: false, None: null}[value])
+            return {True: true, False: false, None: null}[value]
         return self.syntax.quoted(value) if isinstance(value, str) else json.dumps(json.dumps(value))
 
     def _typed(self, kind: Any, schema: dict[str, Any]) -> str | None:
@@ -114,7 +115,7 @@ class _Rules:
             item = self.value(schema.get("items"))
             return self.add(f'"[" ({item} (SEP {item})*)? "]"')
         return {"string": self.syntax.string, "integer": "INTEGER", "number": "NUMBER",
-                "boolean": f"({json.dumps(true)} | {json.dumps(false)})", "null": json.dumps(null),
+                "boolean": f"({true} | {false})", "null": null,
                 "object": "literal"}.get(kind)  # fmt: skip
 
     def arguments(self, schema: Any) -> str | None:
