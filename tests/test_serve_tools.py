@@ -14,7 +14,7 @@ import json
 import re
 
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 openai = pytest.importorskip("openai")
@@ -503,6 +503,30 @@ def test_a_forced_call_in_keyword_syntax_is_held_to_its_tools_schema(keyword_sty
         if other.startswith(opening):
             held, total, done = allowed_run(tokenizer, matcher, grammar, other[len(opening):])
             assert held < total or not done, other
+
+
+schema_words = st.sampled_from(["type", "properties", "required", "enum", "const", "items", "anyOf", "city", "a b"])
+schema_leaf = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.sampled_from(
+    ["string", "integer", "number", "boolean", "null", "object", "array", "city", "x'y", "<p>"]))  # fmt: skip
+
+
+@settings(max_examples=150, deadline=None)
+@given(parameters=st.dictionaries(schema_words, st.recursive(schema_leaf, nested(schema_words), max_leaves=10),
+                                  max_size=4),
+       style=st.sampled_from(["json", "bare", "mistral", "mistral-args", "pythonic", "gemma", "markup"]),
+       forced=st.sampled_from(["", "f"]))  # fmt: skip
+@example(parameters={"properties": {"a": {}}, "required": [["a"]]}, style="pythonic", forced="f")
+@example(parameters={"properties": {"a": {}}, "required": "a"}, style="markup", forced="")
+def test_a_forced_calls_grammar_is_built_or_left_out_for_any_parameters_schema(parameters, style, forced) -> None:
+    """A client's `parameters` may be any JSON object: the grammar of a forced call to such a tool is
+    built (and llguidance can follow it) or left out (the call is the model's own), in every
+    format, never an error (which would be a 500)."""
+    llguidance = pytest.importorskip("llguidance")
+    from kvcache.serve.grammar import call_grammar
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}, FORECAST]
+    grammar = call_grammar(style, tools, forced, {"[ARGS]": 7, QUOTE: 8, "</parameter>": 9}.get)
+    assert grammar is None or llguidance.LLMatcher.validate_grammar(grammar) == ""
 
 
 @pytest.mark.parametrize("template, style", [

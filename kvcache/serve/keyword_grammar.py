@@ -129,7 +129,7 @@ class _Rules:
         keys = sorted(properties) if self.syntax.sorted_keys else list(properties)
         if not all(self.syntax.key.fullmatch(key) for key in keys):
             return None
-        required = set(schema.get("required") or [])
+        required = _required(schema)
         items = [f"{json.dumps(key + assign)} {self.value(properties[key])}" for key in keys]
         # after[k]: the arguments from key k on, after one already written (each with its comma);
         # first[k]: the same with none written yet; None past the last key
@@ -145,6 +145,12 @@ class _Rules:
             starting = f"{items[k]}{rest}"
             first[k] = self.add(f"{starting} | {first[k + 1]}" if optional and first[k + 1] else starting)
         return first[0] if required.intersection(keys) else f"{first[0]}?"
+
+
+def _required(schema: dict[str, Any]) -> set[str]:
+    """The names a schema's `required` lists (none where it is not a list of names)."""
+    listed = schema.get("required")
+    return {name for name in listed if isinstance(name, str)} if isinstance(listed, list) else set()
 
 
 def _simple(value: Any) -> bool:
@@ -195,7 +201,7 @@ def markup_call_lark(tools: list[dict[str, Any]], name: str, whitespace: str,
             rule = f"r{len(lines)}"
             lines.append(f"{rule}: {_markup_value(about, whitespace, text, closing)}")
             item = f"{opening} {json.dumps(key + '>' + chr(10))} {rule}"
-            items.append(item if key in (schema.get("required") or []) else f"({item})?")
+            items.append(item if key in _required(schema) else f"({item})?")
         head = "" if name else json.dumps(called + ">\n")
         choices.append(" ".join([head, *items]).strip())
     written = [c for c in choices if c]
