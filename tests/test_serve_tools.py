@@ -930,6 +930,15 @@ def test_a_forced_tool_choice_starts_the_answer_with_the_call(tool_server) -> No
         assert [(t.function.name, json.loads(t.function.arguments)) for t in message.tool_calls] == expected
         assert message.content is None
         assert streamed(c, **body) == (None, expected, "tool_calls")
+    # a stop string that cuts the held call: the text up to it, without the closing tag a call
+    # the grammar ended would get (the call is not complete)
+    from kvcache.serve.api import HELD_CLOSINGS
+
+    cut = c.chat.completions.create(model="tool-model", messages=messages, tools=TOOLS, tool_choice=named,
+                                    temperature=0, max_tokens=80, stop=["Rome"])  # fmt: skip
+    message, finish = cut.choices[0].message, cut.choices[0].finish_reason
+    assert message.tool_calls is None and finish == "stop" and message.content.startswith(OPENINGS[style][1])
+    assert "Rome" not in message.content and not message.content.endswith(HELD_CLOSINGS.get(style) or "\0")
     flat = [{"type": "function", **tool["function"]} for tool in TOOLS]
     answer = c.responses.create(model="tool-model", input=messages, tools=flat, temperature=0, max_output_tokens=80,
                                 tool_choice={"type": "function", "name": "get_weather"})  # fmt: skip

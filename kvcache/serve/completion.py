@@ -37,7 +37,7 @@ read; else whether the prompt left the model thinking, `reasoning.opened_in`, wi
 `opening`: the answer's start that the
 prompt already holds (a forced call's, `tools.call_opening`), read as the answer's but not counted
 as its tokens; `closing`: what the answer's grammar left for the template to write once it ended
-("stop"), read as the answer's end (a forced call's closing tag)."""
+(the grammar's end, not a stop string's), read as the answer's end (a forced call's closing tag)."""
 
     def __init__(self, served: ServedModel, engine: Any, request: Request, stops: list[str], *,
                  chat: bool = False, index: int = 0, counts_prompt: bool = True,
@@ -116,8 +116,8 @@ as its tokens; `closing`: what the answer's grammar left for the template to wri
                 self.tokens.append(token)
                 text = self.detokenizer.add([*fresh, token])
                 cut = min((i for s in self.stops if (i := text.find(s, max(0, sent - len(s)))) >= 0), default=-1)
-                if cut >= 0:
-                    self.text, self.finish_reason = text[:cut], "stop"
+                if cut >= 0:  # (a held call cut here is not complete: its closing tag is not added)
+                    self.text, self.finish_reason, self._closing = text[:cut], "stop", ""
                     self.engine.finish_early(self.request)
                     if sent < cut:
                         yield text[sent:cut]
