@@ -1,5 +1,6 @@
 """The grammars (llguidance's Lark syntax) of forced calls written with keyword arguments: LFM2's
-Python calls and Gemma 4's `key:value` calls, held to the tool's schema.
+Python calls, Gemma 4's `key:value` calls and Qwen 3.5's markup (`markup_call_lark`), held to
+the tool's schema.
 
 LFM2 writes `[NAME(key=value, ...)]` with Python literals between its call tags
 (`pythonic_calls`); Gemma 4 writes `call:NAME{key:value,...}` with strings between `<|"|>`
