@@ -344,3 +344,37 @@ def _writes(model: Any, prompt: list[int], answer: list[int]) -> bool:
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=len(answer) + 2, do_sample=False)
     return out[0, len(prompt) :].tolist() == answer
+
+
+def styled_tokenizer(tags: tuple[str, ...], template: str) -> Any:
+    """A tokenizer with `tags` as special tokens and `template` as its chat template."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    from serve_kit import byte_level_bpe
+
+    bpe = byte_level_bpe(["ab"], 280, ["<unk>", *tags])
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>")
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def read_styled(text: str, style: str, tools: list | None = None) -> tuple[str, list[tuple[str, dict]]]:
+    """The content and the calls a reader of `style` gives for `text` (`tools` offered)."""
+    from kvcache.serve.tools import ToolCall, call_reader
+
+    reader = call_reader(style, tools)
+    parts = [*reader.feed(text), *reader.finish()]
+    return "".join(p for p in parts if isinstance(p, str)), [
+        (p.name, json.loads(p.arguments)) for p in parts if isinstance(p, ToolCall)]  # fmt: skip
+
+
+def nested(keys: Any) -> Any:  # (a named function: hypothesis reads a lambda's source to see it recurse)
+    """Lists and objects (keys from `keys`) of what the strategy `inner` makes."""
+
+    from hypothesis import strategies as st
+
+    def extend(inner: Any) -> Any:
+        return st.one_of(st.lists(inner, max_size=3), st.dictionaries(keys, inner, max_size=3))
+
+    return extend
