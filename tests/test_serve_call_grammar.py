@@ -225,3 +225,19 @@ def test_a_forced_calls_grammar_is_built_or_left_out_for_any_parameters_schema(p
     tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}, FORECAST]
     grammar = call_grammar(style, tools, forced, {"[ARGS]": 7, QUOTE: 8, "</parameter>": 9}.get)
     assert grammar is None or llguidance.LLMatcher.validate_grammar(grammar) == ""
+
+
+def test_a_tool_whose_name_is_not_a_python_name_is_left_to_the_model_in_lfm2_calls(keyword_styles) -> None:
+    """`my-tool(...)` is not Python, so LFM2's reader could not read a call to such a tool: a call
+    forced to it is the model's own (no grammar), and one to a tool the model picks may name only
+    the others. Gemma's syntax writes such a name (`call:my-tool{...}`)."""
+    tokenizer, matcher, token_id = keyword_styles["pythonic"]
+    dashed = {"type": "function", "function": {"name": "my-tool", "parameters": {"type": "object"}}}
+    assert call_grammar("pythonic", [dashed, FORECAST], "my-tool", token_id) is None
+    assert call_grammar("pythonic", [dashed], "", token_id) is None
+    grammar = call_grammar("pythonic", [dashed, FORECAST], "", token_id)
+    for name, allowed in (("forecast", True), ("my-tool", False)):
+        rest = keyword_call("pythonic", name, {"city": "x"})[len(call_opening("pythonic", "")) :]
+        held, total, done = allowed_run(tokenizer, matcher, grammar, rest)
+        assert (held == total and done) == allowed, name
+    assert call_grammar("gemma", [dashed], "my-tool", keyword_styles["gemma"][2]) is not None

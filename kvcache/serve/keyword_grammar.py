@@ -49,7 +49,7 @@ class Syntax:
     opening: str  # what follows a tool's name where the model writes it ("required")
     end: str  # what ends the call after its arguments
     sorted_keys: bool  # arguments in sorted order (else the schema's)
-    key: re.Pattern[str]  # the keys this syntax writes bare
+    key: re.Pattern[str]  # the keys (and the tools' names) this syntax writes bare
 
     def quoted(self, value: str) -> str:
         """The expression of the one string `value`."""
@@ -160,17 +160,21 @@ def _simple(value: Any) -> bool:
 
 def keyword_call_lark(syntax: Syntax, tools: list[dict[str, Any]], name: str) -> str | None:
     """The Lark grammar of the rest of a forced call to `name` ("": to one of `tools`) after its
-    opening, to the call's end; None where a tool's keys cannot be written in `syntax`."""
+    opening, to the call's end; None where a tool's keys cannot be written in `syntax`. A tool
+    whose name the syntax cannot write as a call's (`my-tool(...)` is not Python) is left out of
+    the choice, and a call forced to it is the model's own."""
     rules = _Rules(syntax)
     choices = []
     for tool in tools:
         called = tool["function"]["name"]
-        if name and called != name:
+        if (name and called != name) or not syntax.key.fullmatch(called):
             continue
         arguments = rules.arguments(tool["function"].get("parameters"))
         if arguments is None:
             return None
         choices.append(arguments if name else f"{json.dumps(called + syntax.opening)} {arguments}")
+    if not choices:
+        return None
     lines = [f"start: ({' | '.join(choices)}) {json.dumps(syntax.end)}", *rules.lines, syntax.literal]
     return "\n".join([*lines, COMMON.strip(), syntax.terminals])
 
