@@ -44,12 +44,16 @@ def add_parser(subparsers: Any) -> None:
                         help="send the prompt as a user message through the model's chat template")
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
                         help=f"tokens to generate (default {DEFAULT_MAX_NEW_TOKENS}; 0 only builds the prompt's cache)")
-    parser.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE,
-                        help=f"sampling temperature (default {DEFAULT_TEMPERATURE}; 0 means greedy)")
-    parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (default 0 = all)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
-    parser.add_argument("--min-p", type=float, default=0.0,
-                        help="sample from tokens at least this fraction as likely as the best one (default 0 = off)")
+    model_says = "; for --model DIR, the directory's generation_config.json setting where it has one"
+    parser.add_argument("--temperature", type=float, default=None,
+                        help=f"sampling temperature (default {DEFAULT_TEMPERATURE}{model_says}; 0 means greedy)")
+    parser.add_argument("--top-k", type=int, default=None,
+                        help=f"sample from the k most likely tokens (default 0 = all{model_says})")
+    parser.add_argument("--top-p", type=float, default=None,
+                        help=f"nucleus sampling mass (default 1.0 = off{model_says})")
+    parser.add_argument("--min-p", type=float, default=None,
+                        help=f"sample from tokens at least this fraction as likely as the best one (default 0 = "
+                        f"off{model_says})")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"random seed (default {DEFAULT_SEED})")
     parser.add_argument("--defer-stop", choices=sorted(DEFER_CHOICES), default="auto",
                         help="read the stop decision one step late (auto: on asynchronous devices only)")
@@ -84,25 +88,36 @@ FLAG_NAMES = {"max_bytes": "--prefix-store-bytes"}
 KEY_ENV = "KVCACHE_PREFIX_STORE_KEY"
 
 
+def sampling_settings(args: argparse.Namespace, model_says: dict[str, float | int]) -> tuple[float, int, float, float]:
+    """`(temperature, top_k, top_p, min_p)`: each flag given, else what the model recommends
+    (`TextModel.sampling`), else the command's default; `GenerationError` for a flag out of range."""
+    from ..generation.sampling import Sampling
+
+    if args.temperature is not None and args.temperature < 0:
+        raise GenerationError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    defaults = {"temperature": DEFAULT_TEMPERATURE, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+    chosen = {name: getattr(args, name) if getattr(args, name) is not None else model_says.get(name, default)
+              for name, default in defaults.items()}  # fmt: skip
+    temperature, top_k, top_p, min_p = (chosen[name] for name in defaults)
+    Sampling(temperature > 0, temperature, top_k, top_p, min_p)  # raises for values out of range
+    return float(temperature), int(top_k), float(top_p), float(min_p)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..devices import resolve_device
     from ..generation import TextStreamer, generate, speculative_generate
-    from ..generation.sampling import Sampling
     from ..persistence import load_cache
 
     if args.max_new_tokens < 0:
         raise GenerationError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        raise GenerationError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     if args.threads is not None and args.threads < 1:
         raise GenerationError(f"--threads must be >= 1, got {args.threads}")
     if args.prefix_store and args.cache:
         raise GenerationError("--prefix-store and --cache are alternatives: give one")
     check_model_arguments(args)
-    sampling = args.temperature > 0
-    Sampling(sampling, args.temperature, args.top_k, args.top_p, args.min_p)  # checked before any work
+    sampling_settings(args, {})  # the flags given, checked before any work
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not text:
         raise GenerationError("the prompt is empty")
@@ -113,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_cache(args.cache, return_metadata=True, device=device) if args.cache else None  # a bad file too
     served = load_model(args, device)
     served.model.kv_bits = args.kv_bits  # new_cache() builds quantized attention layers (the store's too)
+    temperature, top_k, top_p, min_p = sampling_settings(args, served.sampling)
+    sampling = temperature > 0
     drafter = load_drafter(args, served)
     ids = _encode(served, text, args.chat)
     built = _prefill(args, served, ids, store, loaded)
@@ -123,8 +140,7 @@ def run(args: argparse.Namespace) -> int:
     generator = torch.Generator(device=device).manual_seed(args.seed)
     eos = served.tokenizer.eos_token_id if served.kind == "bundled" else None  # None: the generation config's
     options = {"max_new_tokens": args.max_new_tokens, "eos_token_id": eos, "do_sample": sampling,
-               "temperature": args.temperature if sampling else 1.0, "top_k": args.top_k, "top_p": args.top_p,
-               "min_p": args.min_p,
+               "temperature": temperature if sampling else 1.0, "top_k": top_k, "top_p": top_p, "min_p": min_p,
                "generator": generator}  # fmt: skip
     started = time.perf_counter()
     if drafter is None:

@@ -1,6 +1,7 @@
 """The flags that say which model runs where, shared by `kvcache generate` and `kvcache serve`:
 `--model DIR` (a local transformers directory; default the bundled model), `--device`, `--dtype`,
-and speculation (`--prompt-lookup K`, `--suffix-draft K` or `--draft-model DIR`)."""
+`--generation-config` (whether its recommended sampling settings are the defaults), and
+speculation (`--prompt-lookup K`, `--suffix-draft K` or `--draft-model DIR`)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, draft_model: bool, s
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="the model's dtype (default: float32 for the bundled model, the directory's own "
                         "for --model)")
+    parser.add_argument("--generation-config", choices=("auto", "none"), default="auto",
+                        help="auto: sampling settings a request or flag leaves out (temperature, top_p, top_k, "
+                        "min_p) are the ones --model DIR's generation_config.json recommends, as transformers "
+                        "and vLLM take them; none: ignore that file (default auto)")
     parser.add_argument("--prompt-lookup", type=int, default=None, metavar="K",
                         help="speculative decoding that drafts up to K tokens per step from the text so far "
                         "(no draft model); the output is the same, sampled too (seed for seed)")
@@ -113,9 +118,12 @@ def load_model(args: argparse.Namespace, device: Any) -> Any:
     from ..models.text_model import bundled, from_directory
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    if args.model:
-        return from_directory(args.model, dtype, device)
-    return bundled(dtype or torch.float32, device)
+    if not args.model:
+        return bundled(dtype or torch.float32, device)
+    served = from_directory(args.model, dtype, device)
+    if getattr(args, "generation_config", "auto") == "none":
+        served.sampling = {}
+    return served
 
 
 def load_drafter(args: argparse.Namespace, target: Any) -> tuple[Any, int] | None:

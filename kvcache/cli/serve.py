@@ -217,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..devices import resolve_device
+    from ..models.sampling_defaults import describe
     from ..serve import create_app
     from ..serve.engine import MAX_STEP_TOKENS
     from ..serve.engine_process import EngineProcess
@@ -271,8 +272,10 @@ def run(args: argparse.Namespace) -> int:
         sockets = [s for srv in getattr(server, "servers", []) for s in srv.sockets]
         port = sockets[0].getsockname()[1] if sockets else args.port
         auth = ", API key required" if key else ""
-        print(f"kvcache serve: {served.name} on http://{args.host}:{port}/v1 (prefix store {store_location}{auth})",
-              file=sys.stderr, flush=True)  # fmt: skip
+        said = describe(served.sampling)
+        sampling = f"; sampling defaults from its generation_config.json: {said}" if said else ""
+        print(f"kvcache serve: {served.name} on http://{args.host}:{port}/v1 (prefix store {store_location}{auth})"
+              f"{sampling}", file=sys.stderr, flush=True)  # fmt: skip
 
     original = server.startup
 

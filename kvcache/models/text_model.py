@@ -15,7 +15,7 @@ answer token for token, and the prefix store reuses both.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ import torch
 from ..errors import CacheInputError
 from ..generation.token_bytes import TokenBytes, byte_reader
 from . import default
+from .sampling_defaults import read_sampling_defaults
 
 ROLES = ("system", "user", "assistant")
 #: Special tokens decoded text keeps (every other special token is dropped): Gemma 4's tool-call
@@ -46,6 +47,9 @@ class TextModel:
     tokenizer: Any
     kind: str  # "bundled" or "transformers"
     identity: str = ""
+    #: the sampling settings the directory recommends (`sampling_defaults`), which requests and flags
+    #: that leave a setting out get; empty for the bundled model
+    sampling: dict[str, float | int] = field(default_factory=dict)
 
     @property
     def device(self) -> torch.device:
@@ -219,4 +223,5 @@ def from_directory(path: str | Path, dtype: torch.dtype | None = None,
     eos = wrapped.eos_token_id or []
     # the store's namespace: the fingerprint already covers the config and weights (not the path),
     # so servers loading the same model from anywhere share one store
-    return TextModel(wrapped, where.name, list(eos), tokenizer, "transformers", "transformers")
+    return TextModel(wrapped, where.name, list(eos), tokenizer, "transformers", "transformers",
+                     read_sampling_defaults(where))

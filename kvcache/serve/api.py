@@ -10,6 +10,7 @@ appeared leaves the batch at the engine's next step. A client that disconnects c
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import sys
@@ -47,7 +48,8 @@ HELD_CLOSINGS = {"json": "\n" + CLOSE, "markup": "\n" + CLOSE, "pythonic": PYTHO
 def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = None,
                api_key: str | None = None) -> Starlette:  # fmt: skip
     """The Starlette app serving `served` through `engine` (started and stopped with the app)."""
-    limits = limits or Limits()
+    # the served model's recommended sampling settings are what a request leaving one out gets
+    limits = dataclasses.replace(limits or Limits(), sampling=dict(getattr(served, "sampling", None) or {}))
     metrics = engine.metrics
 
     @asynccontextmanager
@@ -181,7 +183,7 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
             params = checked(responses.chat_body(body), chat=True)
         except ApiError as err:
             raise responses.renamed(err) from None
-        shape = responses.ResponseShape(body, served.name)
+        shape = responses.ResponseShape(body, served.name, limits.sampling)
         (choice,) = submit(params, chat=True)
         if params.stream:
             return StreamingResponse(responses.events(choice, shape), media_type="text/event-stream",

@@ -150,9 +150,12 @@ def renamed(err: ApiError) -> ApiError:
 class ResponseShape:
     """The Response object of one answer: its id, the request's reported settings, and its items."""
 
-    def __init__(self, body: dict[str, Any], model: str) -> None:
+    def __init__(self, body: dict[str, Any], model: str, sampling: dict[str, Any] | None = None) -> None:
+        """`sampling`: the served model's sampling defaults (`Limits.sampling`), reported where the
+        request leaves a setting out."""
         self.id, self.created, self.model = f"resp_{uuid.uuid4().hex}", int(time.time()), model
-        self.reported = {key: body.get(key, default) for key, default in REPORTED.items()}
+        defaults = {**REPORTED, **{k: v for k, v in (sampling or {}).items() if k in REPORTED}}
+        self.reported = {key: default if body.get(key) is None else body[key] for key, default in defaults.items()}
         self.reported["tools"] = body.get("tools") or []
         self.reported["metadata"] = body.get("metadata") or {}
 

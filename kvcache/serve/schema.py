@@ -60,6 +60,9 @@ class Limits:
     max_tokens: int = 4096
     default_max_tokens: int = 128
     max_waiting: int = 256
+    #: what a request that leaves a sampling setting out gets (the served model's recommended
+    #: `temperature`, `top_p`, `top_k`, `min_p`: `models.sampling_defaults`); OpenAI's otherwise
+    sampling: dict[str, float | int] = field(default_factory=dict)
 
 
 @dataclass
@@ -139,7 +142,7 @@ def _number(body: dict[str, Any], name: str, default: float, low: float, high: f
             low_open: bool = False) -> float:  # fmt: skip
     value = body.get(name, default)
     if value is None:
-        return default
+        return float(default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ApiError(400, f"{name} must be a number, got {value!r}", param=name)
     if value < low or value > high or (low_open and value == low):
@@ -196,14 +199,16 @@ def _common(body: dict[str, Any], allowed: set[str], model: str, limits: Limits,
                        param="stream_options")  # fmt: skip
     if options and not stream:  # as OpenAI's API and vLLM answer it
         raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    model_says = limits.sampling  # the served model's recommended settings, for those left out
     top_k = body.get("top_k")
-    top_k = 0 if top_k is None or top_k == -1 else _integer(top_k, "top_k", 0, 1 << 31)
-    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_k = (int(model_says.get("top_k", 0)) if top_k is None
+             else 0 if top_k == -1 else _integer(top_k, "top_k", 0, 1 << 31))  # fmt: skip
+    temperature = _number(body, "temperature", model_says.get("temperature", 1.0), 0.0, 2.0)
     n = 1 if body.get("n") is None else _integer(body["n"], "n", 1, MAX_CHOICES)
     return Params(prompts=[], max_tokens=max_tokens, n=n, logit_bias=_logit_bias(body.get("logit_bias")),
                   temperature=0.0 if temperature < GREEDY_BELOW else temperature,
-                  top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), top_k=top_k,
-                  min_p=_number(body, "min_p", 0.0, 0.0, 1.0), seed=seed, stop=stops,
+                  top_p=_number(body, "top_p", model_says.get("top_p", 1.0), 0.0, 1.0, low_open=True), top_k=top_k,
+                  min_p=_number(body, "min_p", model_says.get("min_p", 0.0), 0.0, 1.0), seed=seed, stop=stops,
                   stream=stream, include_usage=bool(options.get("include_usage", False)),
                   presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
                   frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0))  # fmt: skip
