@@ -164,7 +164,7 @@ def test_block_prefill_stores_every_boundary_as_the_forward_computed_it(bundled)
 
 
 class FailingSampling(Sampling):
-    def scores(self, logits, counts=None):  # a row whose sampling breaks (a bug, a bad parameter)
+    def scores(self, logits, counts=None, seen=None):  # a row whose sampling breaks (a bug, a bad parameter)
         raise RuntimeError("probability tensor contains nan")
 
 
@@ -909,6 +909,71 @@ def test_penalties_are_honoured_by_plain_and_speculative_steps(bundled) -> None:
     sampled = run(True)
     assert sampled == run(True, speculative=6, draft_schedule="constant")
     assert sampled != run(True, penalties=(0.0, 0.0))
+
+
+def repetition_greedy(model, prompt: list[int], n: int, penalty: float) -> list[int]:
+    """Greedy decoding with transformers' repetition penalty over the prompt and the tokens generated
+    so far, step by step (the reference for `repetition_penalty`)."""
+    cache, out, seen = model.new_cache(), [], set(prompt)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt]), cache=cache, position_ids=torch.arange(len(prompt))[None])
+        for i in range(n):
+            scores = logits[0, -1].float().clone()
+            for token in seen:
+                scores[token] = scores[token] / penalty if scores[token] > 0 else scores[token] * penalty
+            out.append(int(scores.argmax()))
+            seen.add(out[-1])
+            logits = model(torch.tensor([out[-1:]]), cache=cache, position_ids=torch.tensor([[len(prompt) + i]]))
+    return out
+
+
+def test_repetition_penalty_is_honoured_by_plain_and_speculative_steps(bundled) -> None:
+    """transformers' repetition penalty (the prompt's tokens and the answer's so far): greedy rows in
+    plain steps and in verified drafts give what greedy decoding of the penalized logits gives,
+    which differs from the plain answers; seeded sampled rows sample under speculation what they
+    sample without (and not what they sample without the penalty)."""
+    model, tokenizer = bundled
+    prompts = [prompt_ids(tokenizer, i, n) for i, n in enumerate((40, 70))]  # repetitive: lookup drafts
+    plain = [alone(model, p, 24) for p in prompts]
+    expected = [repetition_greedy(model, p, 24, 1.4) for p in prompts]
+    assert expected != plain
+
+    def run(sample: bool, penalty: float = 1.4, **kwargs) -> list[list[int]]:
+        return seeded_answers(model, prompts, 24, Sampling(sample, 1.3, repetition_penalty=penalty), **kwargs)
+
+    assert run(False) == expected
+    assert run(False, speculative=6, draft_schedule="constant") == expected
+    sampled = run(True)
+    assert sampled == run(True, speculative=6, draft_schedule="constant")
+    assert sampled != run(True, penalty=1.0)
+
+
+def test_repetition_penalty_scores_as_transformers_processor() -> None:
+    """`Sampling.scores` with `repetition_penalty`: transformers' `RepetitionPenaltyLogitsProcessor`
+    over the prompt's tokens (`seen`) and the generated ones (`counts`), bit for bit, before the
+    temperature; greedy rows with it are no longer argmax-only; a penalty <= 0 or not finite is
+    refused."""
+    from kvcache.errors import GenerationError
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    logits = torch.randn(1, 40) * 3
+    prompt, generated = [3, 7, 7, 21], [5, 7, 30]
+    seen = torch.zeros(40, dtype=torch.bool)
+    seen[prompt] = True
+    counts = torch.zeros(40)
+    for token in generated:
+        counts[token] += 1
+    processor = transformers.RepetitionPenaltyLogitsProcessor(1.7)
+    expected = processor(torch.tensor([prompt + generated]), logits.clone())
+    assert torch.equal(Sampling(repetition_penalty=1.7).scores(logits, counts, seen), expected)
+    assert torch.equal(Sampling(True, 0.5, repetition_penalty=1.7).scores(logits, counts, seen), expected / 0.5)
+    prompt_only = processor(torch.tensor([prompt]), logits.clone())
+    assert torch.equal(Sampling(repetition_penalty=1.7).scores(logits, None, seen), prompt_only)
+    assert not Sampling(repetition_penalty=1.1).argmax_only and Sampling(repetition_penalty=1).argmax_only
+    for bad in (0, -1.2, float("inf"), float("nan"), True, "1"):
+        with pytest.raises(GenerationError, match="repetition_penalty must be a finite number > 0"):
+            Sampling(repetition_penalty=bad)
 
 
 def test_penalties_are_scores_less_the_counts() -> None:

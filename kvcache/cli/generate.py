@@ -129,6 +129,9 @@ def run(args: argparse.Namespace) -> int:
     served = load_model(args, device)
     served.model.kv_bits = args.kv_bits  # new_cache() builds quantized attention layers (the store's too)
     temperature, top_k, top_p, min_p = sampling_settings(args, served.sampling)
+    if served.sampling.get("repetition_penalty", 1) != 1:  # (kvcache serve applies it)
+        print(f"kvcache generate: note: the directory's repetition_penalty {served.sampling['repetition_penalty']:g} "
+              "is not applied here", file=sys.stderr)  # fmt: skip
     sampling = temperature > 0
     drafter = load_drafter(args, served)
     ids = _encode(served, text, args.chat)

@@ -21,7 +21,9 @@ class Sampling:
     greedy or not: -100 bans a token, +100 all but forces it. `presence_penalty` and
     `frequency_penalty` (OpenAI's) are subtracted with it, greedy or not, from the logits of the
     tokens generated so far (`scores`' `counts`): once for a token that occurred, and once per
-    occurrence."""
+    occurrence. `repetition_penalty` (transformers' and vLLM's, 1 = none) then divides the positive
+    logits and multiplies the negative ones of every token seen, in the prompt (`scores`' `seen`)
+    or generated so far."""
 
     do_sample: bool = False
     temperature: float = 1.0
@@ -31,8 +33,13 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
+        penalty = self.repetition_penalty
+        if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not (0 < penalty < math.inf):
+            raise GenerationError(f"repetition_penalty must be a finite number > 0, got {penalty!r}",
+                                  param="repetition_penalty")  # fmt: skip
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -63,18 +70,21 @@ class Sampling:
 
     @property
     def penalized(self) -> bool:
-        """Whether the scores depend on the tokens generated so far (a presence or frequency penalty)."""
-        return bool(self.presence_penalty or self.frequency_penalty)
+        """Whether the scores depend on the tokens generated so far (a presence, frequency or
+        repetition penalty)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
     @property
     def argmax_only(self) -> bool:
         """Whether the next token is the argmax of the raw logits (greedy, nothing added to them)."""
         return not (self.do_sample or self.logit_bias or self.penalized)
 
-    def scores(self, logits: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+    def scores(self, logits: torch.Tensor, counts: torch.Tensor | None = None,
+               seen: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """Float32 scores `[batch, vocab]` of the next token (what `output_scores` returns); `counts`
         (broadcast to `logits`): how often each token was generated before that position, for the
-        penalties (None: none yet)."""
+        penalties (None: none yet); `seen` (bool, broadcast): the prompt's tokens, which the
+        repetition penalty also reads (None: none)."""
         if self.logit_bias:
             ids = torch.tensor([t for t, _ in self.logit_bias], device=logits.device)
             values = torch.tensor([b for _, b in self.logit_bias], dtype=torch.float32, device=logits.device)
@@ -82,6 +92,13 @@ class Sampling:
         if self.penalized and counts is not None:
             counts = counts.to(device=logits.device, dtype=torch.float32)
             logits = logits.float() - self.frequency_penalty * counts - self.presence_penalty * (counts > 0).float()
+        if self.repetition_penalty != 1 and (counts is not None or seen is not None):
+            hit = counts.to(logits.device) > 0 if counts is not None else None
+            if seen is not None:
+                hit = seen.to(logits.device) if hit is None else hit | seen.to(logits.device)
+            logits = logits.float()  # as transformers' processor: divided where positive, multiplied elsewhere
+            penalized = torch.where(logits > 0, logits / self.repetition_penalty, logits * self.repetition_penalty)
+            logits = torch.where(hit, penalized, logits)
         if self.do_sample and self.temperature != 1:
             scores = logits.float() / self.temperature
         else:

@@ -68,21 +68,23 @@ class Verifier:
             steps[1:] = torch.nn.functional.one_hot(drafted, vocab).float().cumsum(0)
         return steps if counts is None else steps + counts.to(device=device, dtype=torch.float32)
 
-    def verify(self, draft: Draft, target_logits: torch.Tensor,
-               counts: torch.Tensor | None = None) -> tuple[int, list[int]]:  # fmt: skip
+    def verify(self, draft: Draft, target_logits: torch.Tensor, counts: torch.Tensor | None = None,
+               seen: torch.Tensor | None = None) -> tuple[int, list[int]]:  # fmt: skip
         """Check `draft` against the target's logits for the pending token and every draft token
         (`[n + 1, vocab]`); return (number of draft tokens accepted, tokens to append). `counts`
-        `[vocab]`: how often each token was generated before the draft (for the penalties)."""
+        `[vocab]`: how often each token was generated before the draft (for the penalties); `seen`
+        `[vocab]`: the prompt's tokens (for the repetition penalty)."""
         n = len(draft.tokens)
         positions = self._counts(draft, counts, target_logits)
         if not self.do_sample:  # greedy: the argmax of the raw logits (as float32, the same order), biased if asked
             raw = self.sampling.argmax_only
-            choice = (target_logits if raw else self.sampling.scores(target_logits, positions)).argmax(-1).tolist()
+            scores = target_logits if raw else self.sampling.scores(target_logits, positions, seen)
+            choice = scores.argmax(-1).tolist()
             accepted = 0
             while accepted < n and draft.tokens[accepted] == choice[accepted]:
                 accepted += 1
             return accepted, [*draft.tokens[:accepted], choice[accepted]]
-        p = self.sampling.scores(target_logits, positions).softmax(-1)
+        p = self.sampling.scores(target_logits, positions, seen).softmax(-1)
         if draft.probs is None:  # point masses (or nothing): plain sampling's draws, position by position
             drawn = []
             for proposed in draft.tokens:

@@ -1,13 +1,14 @@
 """The sampling settings a model directory recommends, read from its `generation_config.json`.
 
 Model authors write there how their model is meant to be sampled (Qwen3: temperature 0.6, top-k
-20, top-p 0.95; Llama 3: temperature 0.6, top-p 0.9; Gemma 3: top-k 64, top-p 0.95), and
-transformers' `generate`, `transformers serve` and vLLM start from it: a request or a flag that
-names a setting overrides it, one that does not gets the model's. Only what the file writes is
-taken (as vLLM takes it), so a directory that says nothing keeps the caller's own defaults; a
-file that sets `do_sample` to false asks for greedy decoding (temperature 0), as transformers
-reads it. A value out of range is left out with a warning: the model still loads, as it does in
-transformers.
+20, top-p 0.95; Llama 3: temperature 0.6, top-p 0.9; Gemma 3: top-k 64, top-p 0.95; some a
+repetition penalty), and transformers' `generate`, `transformers serve` and vLLM start from it:
+a request or a flag that names a setting overrides it, one that does not gets the model's. Only
+what the file writes is taken (as vLLM takes it), so a directory that says nothing keeps the
+caller's own defaults; a file that sets `do_sample` to false asks for greedy decoding
+(temperature 0), as transformers reads it. A value out of range is left out with a warning: the
+model still loads, as it does in transformers. The command line has no repetition-penalty flag:
+`kvcache generate` reads the other four; `kvcache serve` all five.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import Any
 
 #: The file's settings taken, each with the range it must lie in (`low_open`: the low end excluded).
 RANGES: dict[str, tuple[float, float, bool]] = {"temperature": (0.0, 2.0, False), "top_p": (0.0, 1.0, True),
-                                                "top_k": (0, 1 << 31, False), "min_p": (0.0, 1.0, False)}  # fmt: skip
+                                                "top_k": (0, 1 << 31, False), "min_p": (0.0, 1.0, False),
+                                                "repetition_penalty": (0.0, 2.0, True)}  # fmt: skip
 
 
 def _valid(name: str, value: Any) -> bool:
@@ -33,10 +35,10 @@ def _valid(name: str, value: Any) -> bool:
 
 
 def read_sampling_defaults(directory: str | Path) -> dict[str, float | int]:
-    """`{"temperature": ..., "top_p": ..., "top_k": ..., "min_p": ...}`, the ones the directory's
-    `generation_config.json` sets (none without the file); `do_sample: false` there gives a
-    temperature of 0. A file that is not a JSON object, or a value that is not a number in range,
-    is left out with a warning naming it."""
+    """`{"temperature": ..., "top_p": ..., "top_k": ..., "min_p": ..., "repetition_penalty": ...}`,
+    the ones the directory's `generation_config.json` sets (none without the file); `do_sample:
+    false` there gives a temperature of 0. A file that is not a JSON object, or a value that is not
+    a number in range, is left out with a warning naming it."""
     path = Path(directory) / "generation_config.json"
     if not path.is_file():
         return {}
@@ -60,10 +62,6 @@ def read_sampling_defaults(directory: str | Path) -> dict[str, float | int]:
             warnings.warn(f"{path}: {name}={written[name]!r} is not a number in {span}; left out", stacklevel=2)
     if written.get("do_sample") is False:
         out["temperature"] = 0.0
-    penalty = written.get("repetition_penalty")
-    if penalty not in (None, 1, 1.0):  # vLLM applies it by default; saying so beats a silent difference
-        warnings.warn(f"{path}: repetition_penalty={penalty!r} is not applied (kvcache samples without it; "
-                      "presence_penalty and frequency_penalty are what requests may set)", stacklevel=2)
     return out
 
 

@@ -98,7 +98,8 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
         if any(token >= served.vocab_size for token, _ in params.logit_bias):
             raise ApiError(400, f"logit_bias token ids must be in [0, {served.vocab_size})", param="logit_bias")
         sampling = Sampling(params.temperature > 0, params.temperature or 1.0, params.top_k, params.top_p,
-                            params.min_p, params.logit_bias, params.presence_penalty, params.frequency_penalty)
+                            params.min_p, params.logit_bias, params.presence_penalty, params.frequency_penalty,
+                            params.repetition_penalty)  # fmt: skip
         choices = []
         for i, (prompt, original) in enumerate(zip(prompts, params.prompts, strict=True)):
             for j in range(params.n):

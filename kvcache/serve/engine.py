@@ -249,6 +249,9 @@ class Engine:
             except Exception as exc:  # an engine without structured outputs, a grammar llguidance refuses
                 self._fail(request, exc)
                 return
+        if request.sampling.repetition_penalty != 1:  # the prompt's tokens, which the penalty reads
+            request.prompt_seen = torch.zeros(int(self.model.vocab_size), dtype=torch.bool, device=self.device)
+            request.prompt_seen[torch.tensor(request.prompt, device=self.device)] = True
         if self.speculative:
             request.drafter = self._new_drafter()
             request.drafter.start(request.prompt, device=self.device)
@@ -343,7 +346,7 @@ class Engine:
     def _choose(self, request: Request, logits: torch.Tensor) -> int:
         if request.constraint is not None:  # only the tokens its grammar allows next
             logits = request.constraint.mask(logits)
-        scores = request.sampling.scores(logits, request.counts)
+        scores = request.sampling.scores(logits, request.counts, request.prompt_seen)
         if not request.sampling.do_sample:
             return int(scores.argmax(-1))
         return int(torch.multinomial(scores.softmax(-1), 1, generator=request.generator))

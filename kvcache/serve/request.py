@@ -41,6 +41,7 @@ class Request:
     cache: Cache | None = None
     pending: int | None = None  # the token to feed at the next decode step
     counts: torch.Tensor | None = None  # how often each token was generated (`[vocab]`), for penalties
+    prompt_seen: torch.Tensor | None = None  # the prompt's tokens (`[vocab]` bool), for a repetition penalty
     drafter: Drafter | None = None
     constraint: Any = None  # its `grammar.Constraint`, when it has a grammar
     rows: list | None = None  # prefilled with other newcomers: its row of their batch (`rows.stack` takes it)

@@ -28,7 +28,8 @@ OWN = {"input", "instructions", "tools", "tool_choice", "text", "previous_respon
        "reasoning", "include", "stream_options", "prompt_cache_key", "safety_identifier"}  # fmt: skip
 #: Chat fields a Responses request may carry as they are (vLLM's and kvcache's extensions included).
 PASSED = {"model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream", "metadata", "user",
-          "parallel_tool_calls", "service_tier", "presence_penalty", "frequency_penalty", "logit_bias",
+          "parallel_tool_calls", "service_tier", "presence_penalty", "frequency_penalty", "repetition_penalty",
+          "logit_bias",
           "chat_template_kwargs"}  # fmt: skip
 #: What the Response object reports of its request (as given, or OpenAI's defaults).
 REPORTED = {"instructions": None, "max_output_tokens": None, "temperature": 1.0, "top_p": 1.0, "tool_choice": "auto",

@@ -43,7 +43,8 @@ MAX_LOGIT_BIAS = 300
 #: The most choices one request asks for: its prompts (a completion may send a list) times `n`.
 MAX_CHOICES = 64
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options",
-          "logprobs", "top_logprobs", "n", "logit_bias", "presence_penalty", "frequency_penalty"}  # fmt: skip
+          "logprobs", "top_logprobs", "n", "logit_bias", "presence_penalty", "frequency_penalty",
+          "repetition_penalty"}  # fmt: skip
 COMPLETION_FIELDS = COMMON | {"prompt"} | set(NEUTRAL) | IGNORED
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs"} | set(NEUTRAL) | IGNORED
 #: `apply_chat_template`'s own parameters, which `chat_template_kwargs` may not set.
@@ -61,7 +62,8 @@ class Limits:
     default_max_tokens: int = 128
     max_waiting: int = 256
     #: what a request that leaves a sampling setting out gets (the served model's recommended
-    #: `temperature`, `top_p`, `top_k`, `min_p`: `models.sampling_defaults`); OpenAI's otherwise
+    #: `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`: `models.sampling_defaults`);
+    #: OpenAI's (and 1, no repetition penalty) otherwise
     sampling: dict[str, float | int] = field(default_factory=dict)
 
 
@@ -96,6 +98,7 @@ class Params:
     echo: bool = False  # a completion's text (and log probabilities) start with its prompt's
     presence_penalty: float = 0.0  # subtracted from the logits of every token generated so far
     frequency_penalty: float = 0.0  # ... once per time it was generated
+    repetition_penalty: float = 1.0  # divides (multiplies, if negative) the logits of tokens seen (vLLM's field)
 
 
 #: JSON nested deeper than this is refused (a request needs 4 levels; Python's parser recurses).
@@ -211,7 +214,9 @@ def _common(body: dict[str, Any], allowed: set[str], model: str, limits: Limits,
                   min_p=_number(body, "min_p", model_says.get("min_p", 0.0), 0.0, 1.0), seed=seed, stop=stops,
                   stream=stream, include_usage=bool(options.get("include_usage", False)),
                   presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-                  frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0))  # fmt: skip
+                  frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+                  repetition_penalty=_number(body, "repetition_penalty", model_says.get("repetition_penalty", 1.0),
+                                             0.0, 2.0, low_open=True))  # fmt: skip
 
 
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:

@@ -88,7 +88,7 @@ def speculative_step(engine: Any) -> None:
     choices = logits.argmax(-1).tolist()  # every greedy row's choices in one host transfer
     verdicts = [(0, [engine._choose(rows[b], logits[b, :1])]) if rows[b].constraint is not None  # (no draft)
                 else _greedy(draft, choices[b]) if verifier.sampling.argmax_only
-                else verifier.verify(draft, logits[b, : len(draft.tokens) + 1], rows[b].counts)
+                else verifier.verify(draft, logits[b, : len(draft.tokens) + 1], rows[b].counts, rows[b].prompt_seen)
                 for b, (verifier, draft) in enumerate(zip(verifiers, drafts, strict=True))]  # fmt: skip
     if width > 1:
         drops = [width - 1 - accepted for accepted, _ in verdicts]
