@@ -101,6 +101,8 @@ SCENARIOS = {
     "sampled_batch_eos": (3, {"do_sample": True, "temperature": 0.8, "top_k": 10, "top_p": 0.9}, 11, [3, 1, 4]),
     "sampled_max_length": (2, {"do_sample": True, "temperature": 1.3}, 12, None),
     "greedy_max_length": (2, {}, None, None),
+    "penalized_greedy_batch_eos": (3, {"repetition_penalty": 1.6}, None, [2, 4, 1]),
+    "penalized_sampled_max_length": (2, {"do_sample": True, "temperature": 0.9, "repetition_penalty": 1.5}, 13, None),
 }
 
 

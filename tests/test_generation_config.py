@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 from serve_kit import ServeProcess, tiny_model_dir
 
 from kvcache.cli import main
@@ -100,6 +101,20 @@ def test_a_response_reports_the_settings_it_ran_with() -> None:
 
 
 # ---------------------------------------------------------------------------------------- the CLI
+def transformers_greedy(where: Path, dtype: torch.dtype, **options) -> str:
+    """transformers' greedy `generate` on `tokenizer(PROMPT)` in `dtype` (16 tokens)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(where, dtype=dtype).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(where)
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the file's sampling settings, unused by greedy decoding
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                             **options)  # fmt: skip
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A tiny transformers directory as saved (no sampling settings), and a copy recommending top-k 1."""
@@ -117,20 +132,25 @@ def run_cli(capsys: pytest.CaptureFixture[str], where: Path, *flags: str) -> str
                      "--seed", "3", *flags])  # fmt: skip
     captured = capsys.readouterr()
     assert code == 0, captured.err
-    # the one setting the command line does not apply is said, not dropped in silence
-    says = "the directory's repetition_penalty 1.3 is not applied here" in captured.err
-    assert says == (where.name == "recommending" and "none" not in flags), captured.err
     return captured.out
 
 
 def test_generate_takes_the_directory_settings_unless_a_flag_names_one(dirs, capsys) -> None:
     plain, recommending = dirs
     greedy = run_cli(capsys, plain, "--temperature", "0")
+    assert greedy == transformers_greedy(plain, torch.float32) + "\n"
     sampled = run_cli(capsys, plain)  # the command's own defaults (temperature 0.8, no cut)
     assert sampled != greedy  # else this test could not tell the settings apart
-    assert run_cli(capsys, recommending) == greedy  # top-k 1 from the file: the argmax each step
+    # top-k 1 from the file: the argmax each step, of the logits under the file's repetition penalty,
+    # what transformers' greedy generate gives with that penalty; so do the speculative paths
+    penalized = transformers_greedy(recommending, torch.float32, repetition_penalty=1.3) + "\n"
+    assert penalized != greedy
+    assert run_cli(capsys, recommending) == penalized
+    for flags in (("--temperature", "0"), ("--prompt-lookup", "3"), ("--suffix-draft", "4")):
+        assert run_cli(capsys, recommending, *flags) == penalized, flags
     # a flag wins over the file; --generation-config none ignores it
-    assert run_cli(capsys, recommending, "--top-k", "0", "--temperature", "0.8", "--top-p", "1") == sampled
+    assert run_cli(capsys, recommending, "--top-k", "0", "--temperature", "0.8", "--top-p", "1",
+                   "--repetition-penalty", "1") == sampled  # fmt: skip
     assert run_cli(capsys, recommending, "--generation-config", "none") == sampled
 
 
@@ -138,24 +158,11 @@ def test_a_flag_out_of_range_is_refused_whatever_the_file_says(dirs, capsys) -> 
     _, recommending = dirs
     assert main(["generate", "--model", str(recommending), PROMPT, "--top-p", "0"]) != 0
     assert "--top-p must be in (0, 1], got 0.0" in capsys.readouterr().err
+    assert main(["generate", "--model", str(recommending), PROMPT, "--repetition-penalty", "0"]) != 0
+    assert "repetition-penalty must be a finite number > 0, got 0.0" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------- the server
-def transformers_greedy(where: Path, **options) -> str:
-    """transformers' greedy `generate` on `tokenizer(PROMPT)` (float64, as the server runs here)."""
-    import torch
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(where, dtype=torch.float64).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(where)
-    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the file's sampling settings, unused by greedy decoding
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
-                             **options)  # fmt: skip
-    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
-
-
 def test_serve_takes_the_directory_settings_unless_a_request_names_one(dirs, tmp_path: Path) -> None:
     openai = pytest.importorskip("openai")
     pytest.importorskip("starlette")
@@ -170,9 +177,10 @@ def test_serve_takes_the_directory_settings_unless_a_request_names_one(dirs, tmp
             return c.completions.create(model=name, prompt=PROMPT, max_tokens=16, seed=3, **options).choices[0].text
 
         greedy = complete(temperature=0)  # with the file's repetition penalty
-        assert greedy == transformers_greedy(recommending, repetition_penalty=1.3)
+        assert greedy == transformers_greedy(recommending, torch.float64, repetition_penalty=1.3)
         unpenalized = complete(temperature=0, extra_body={"repetition_penalty": 1})
-        assert unpenalized != greedy and unpenalized == transformers_greedy(recommending, repetition_penalty=1.0)
+        assert unpenalized != greedy
+        assert unpenalized == transformers_greedy(recommending, torch.float64, repetition_penalty=1.0)
         assert complete() == greedy  # top-k 1 from the file
         sampled = complete(extra_body={"top_k": 0})  # the request names top-k: sampling at the file's 0.7
         assert sampled != greedy and complete(extra_body={"top_k": 0}) == sampled
@@ -186,3 +194,68 @@ def test_serve_takes_the_directory_settings_unless_a_request_names_one(dirs, tmp
     assert "sampling defaults from its generation_config.json: temperature 0.7, top_p 0.9, top_k 1, " \
            "repetition_penalty 1.3" in (
         (tmp_path / "serve.log").read_text())
+
+
+# ------------------------------------------------------------------ the library's repetition penalty
+@pytest.fixture(scope="module")
+def bundled():
+    from kvcache.models import load_default_model
+
+    return load_default_model()
+
+
+def _penalized_reference(model, prompt: list[int], n: int, penalty: float) -> list[int]:
+    """Greedy decoding with no cache at all, each step's logits penalized by hand over the row's
+    tokens so far (the reference for `generate(repetition_penalty=...)`)."""
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([tokens]), cache=model.new_cache(),
+                           position_ids=torch.arange(len(tokens))[None])[0, -1].float()  # fmt: skip
+            for token in set(tokens):
+                logits[token] = logits[token] / penalty if logits[token] > 0 else logits[token] * penalty
+            tokens.append(int(logits.argmax()))
+    return tokens[len(prompt) :]
+
+
+def test_generate_applies_the_repetition_penalty_to_each_row_alone(bundled) -> None:
+    """Greedy `generate(repetition_penalty=)` gives what a cache-free recomputation penalized by
+    hand gives; rows of a left-padded batch give what each gives alone (padding is no token of
+    theirs); the answers differ from unpenalized ones."""
+    from kvcache.generation import generate
+
+    model, tokenizer = bundled
+    prompts = [tokenizer.encode(text) for text in ("The value of the value of the ", "A list is a list ")]
+    alone = [generate(model, torch.tensor([p]), max_new_tokens=12, repetition_penalty=1.5).sequences[0, len(p) :]
+             .tolist() for p in prompts]  # fmt: skip
+    assert alone == [_penalized_reference(model, p, 12, 1.5) for p in prompts]
+    assert alone != [generate(model, torch.tensor([p]), max_new_tokens=12).sequences[0, len(p) :].tolist()
+                     for p in prompts]  # fmt: skip
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    batched = generate(model, ids, attention_mask=mask, max_new_tokens=12, repetition_penalty=1.5)
+    assert batched.sequences[:, width:].tolist() == alone
+
+
+def test_speculation_with_a_repetition_penalty_gives_plain_decoding_tokens(bundled) -> None:
+    """Prompt lookup under a repetition penalty: greedy, the tokens of greedy `generate`; sampled,
+    the very tokens plain sampling draws from the same seed (and not those drawn without it). A
+    batch is refused before any work (batched speculation does not apply the penalty)."""
+    from kvcache.errors import GenerationError
+    from kvcache.generation import PromptLookupDrafter, generate, speculative_generate
+
+    model, tokenizer = bundled
+    ids = torch.tensor([tokenizer.encode("The value of the value of the value of the ")])
+    for options in ({}, {"do_sample": True, "temperature": 0.9}):
+        def plain(penalty: float, options=options) -> list[int]:
+            return generate(model, ids, max_new_tokens=20, repetition_penalty=penalty,
+                            generator=torch.Generator().manual_seed(4), **options).sequences[0].tolist()  # fmt: skip
+
+        drafted = speculative_generate(model, PromptLookupDrafter(), ids, max_new_tokens=20, num_draft_tokens=4,
+                                       repetition_penalty=2.0, draft_schedule="constant",
+                                       generator=torch.Generator().manual_seed(4), **options)  # fmt: skip
+        assert drafted.sequences[0].tolist() == plain(2.0) != plain(1.0), options
+    batch = ids.repeat(2, 1)
+    with pytest.raises(GenerationError, match="repetition_penalty: batched speculative decoding"):
+        speculative_generate(model, PromptLookupDrafter(), batch, max_new_tokens=4, repetition_penalty=1.5)

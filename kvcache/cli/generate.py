@@ -54,6 +54,9 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--min-p", type=float, default=None,
                         help=f"sample from tokens at least this fraction as likely as the best one (default 0 = "
                         f"off{model_says})")
+    parser.add_argument("--repetition-penalty", type=float, default=None,
+                        help=f"divide the logits of tokens already in the text by this, greedy or sampled, as "
+                        f"transformers does (default 1 = off{model_says})")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"random seed (default {DEFAULT_SEED})")
     parser.add_argument("--defer-stop", choices=sorted(DEFER_CHOICES), default="auto",
                         help="read the stop decision one step late (auto: on asynchronous devices only)")
@@ -88,19 +91,21 @@ FLAG_NAMES = {"max_bytes": "--prefix-store-bytes"}
 KEY_ENV = "KVCACHE_PREFIX_STORE_KEY"
 
 
-def sampling_settings(args: argparse.Namespace, model_says: dict[str, float | int]) -> tuple[float, int, float, float]:
-    """`(temperature, top_k, top_p, min_p)`: each flag given, else what the model recommends
-    (`TextModel.sampling`), else the command's default; `GenerationError` for a flag out of range."""
+def sampling_settings(args: argparse.Namespace, model_says: dict[str, float | int]) -> dict[str, Any]:
+    """`{"temperature", "top_k", "top_p", "min_p", "repetition_penalty"}`: each flag given, else what
+    the model recommends (`TextModel.sampling`), else the command's default; `GenerationError` for a
+    flag out of range."""
     from ..generation.sampling import Sampling
 
     if args.temperature is not None and args.temperature < 0:
         raise GenerationError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
-    defaults = {"temperature": DEFAULT_TEMPERATURE, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+    defaults = {"temperature": DEFAULT_TEMPERATURE, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
     chosen = {name: getattr(args, name) if getattr(args, name) is not None else model_says.get(name, default)
               for name, default in defaults.items()}  # fmt: skip
-    temperature, top_k, top_p, min_p = (chosen[name] for name in defaults)
-    Sampling(temperature > 0, temperature, top_k, top_p, min_p)  # raises for values out of range
-    return float(temperature), int(top_k), float(top_p), float(min_p)
+    temperature = chosen["temperature"]
+    Sampling(temperature > 0, temperature, chosen["top_k"], chosen["top_p"], chosen["min_p"],
+             repetition_penalty=chosen["repetition_penalty"])  # raises for values out of range
+    return {name: type(default)(chosen[name]) for name, default in defaults.items()}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -128,11 +133,8 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_cache(args.cache, return_metadata=True, device=device) if args.cache else None  # a bad file too
     served = load_model(args, device)
     served.model.kv_bits = args.kv_bits  # new_cache() builds quantized attention layers (the store's too)
-    temperature, top_k, top_p, min_p = sampling_settings(args, served.sampling)
-    if served.sampling.get("repetition_penalty", 1) != 1:  # (kvcache serve applies it)
-        print(f"kvcache generate: note: the directory's repetition_penalty {served.sampling['repetition_penalty']:g} "
-              "is not applied here", file=sys.stderr)  # fmt: skip
-    sampling = temperature > 0
+    settings = sampling_settings(args, served.sampling)
+    sampling = settings["temperature"] > 0
     drafter = load_drafter(args, served)
     ids = _encode(served, text, args.chat)
     built = _prefill(args, served, ids, store, loaded)
@@ -143,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     generator = torch.Generator(device=device).manual_seed(args.seed)
     eos = served.tokenizer.eos_token_id if served.kind == "bundled" else None  # None: the generation config's
     options = {"max_new_tokens": args.max_new_tokens, "eos_token_id": eos, "do_sample": sampling,
-               "temperature": temperature if sampling else 1.0, "top_k": top_k, "top_p": top_p, "min_p": min_p,
+               **settings, "temperature": settings["temperature"] if sampling else 1.0,
                "generator": generator}  # fmt: skip
     started = time.perf_counter()
     if drafter is None:

@@ -54,6 +54,7 @@ def generate(
     top_k: int = 0,
     top_p: float = 1.0,
     min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
     generator: torch.Generator | None = None,
     streamer: Streamer | None = None,
     output_scores: bool = False,
@@ -72,7 +73,10 @@ def generate(
       the model when it has them (a wrapped transformers model: its `generation_config`, as in
       transformers' `generate`); `eos_token_id=[]` means no end token at all.
     - `do_sample` draws with `temperature`, `top_k` (0 = off), `top_p` (1 = off) and `min_p` (0 = off)
-      from `generator`.
+      from `generator`. `repetition_penalty` (1 = off; transformers' meaning), greedy or sampled,
+      divides the positive logits and multiplies the negative ones of every token the row holds:
+      its prompt (padding excluded, so a row of a batch decodes as it would alone) and what it
+      generated so far.
     - `streamer.put(tokens[batch])` receives each kept step's tokens, then `streamer.end()`.
     - `defer_stop`: read the stop decision one step late so the host never waits for the device
       (`DeferredStopCheck`); None defers on asynchronous devices (CUDA, MPS, XPU) where the cache
@@ -84,7 +88,7 @@ def generate(
       the answer. The output equals a run without the store that prefilled the same chunks.
     """
     # ------------------------------------------------------------------ checks, before any work
-    sampling = Sampling(do_sample, temperature, top_k, top_p, min_p)
+    sampling = Sampling(do_sample, temperature, top_k, top_p, min_p, repetition_penalty=repetition_penalty)
     max_new_tokens = inputs.check_int("max_new_tokens", max_new_tokens, minimum=0)
     encoder_decoder = inputs.check_model(model)
     vocab = model.vocab_size
@@ -191,9 +195,10 @@ def _run(
 
         stop = _stop_check(cache, defer_stop, batch, device, recording_on_entry, sampling, generator, streamer)
         remember(stop)
+        seen = _held_tokens(tokens, token_mask, int(logits.shape[-1])) if sampling.penalized else None
         sequences, scores = _decode(
             forward, logits, stop, sampling, generator, eos, pad[0], full_mask, positions,
-            length, max_new_tokens, output_scores,
+            length, max_new_tokens, output_scores, seen,
         )  # fmt: skip
     if streamer is not None:
         streamer.end()
@@ -214,10 +219,13 @@ def _decode(
     length: int,
     max_new_tokens: int,
     output_scores: bool,
+    seen: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
-    """The decoding loop: no host/device sync of its own (the stop check decides about that)."""
+    """The decoding loop: no host/device sync of its own (the stop check decides about that).
+    `seen` `[batch, vocab]` (bool): the tokens each row holds, for a repetition penalty; updated
+    with each step's tokens."""
     device = logits.device
-    need_scores = output_scores or sampling.do_sample
+    need_scores = output_scores or sampling.do_sample or seen is not None
     unfinished = torch.ones(logits.shape[0], dtype=torch.bool, device=device) if eos else None
     eos_ids = torch.tensor(eos, dtype=torch.long, device=device)
     pad_id = torch.tensor(pad, dtype=torch.long, device=device)
@@ -231,8 +239,10 @@ def _decode(
             mask = None if full_mask is None else full_mask[:, :at]
             logits = forward(next_tokens[:, None], mask, positions[:, at - 1 : at])[:, -1]
         stop.before_step()
-        scores = sampling.scores(logits) if need_scores else logits
+        scores = sampling.scores(logits, None, seen) if need_scores else logits
         next_tokens = sampling.select(scores, generator)
+        if seen is not None:
+            seen.scatter_(1, next_tokens[:, None], True)
         if unfinished is not None:
             next_tokens = torch.where(unfinished, next_tokens, pad_id)
             unfinished = unfinished & ~torch.isin(next_tokens, eos_ids)
@@ -246,6 +256,13 @@ def _decode(
         del new_tokens[-undo:]
         del step_scores[-undo:]
     return torch.stack(new_tokens, dim=1), tuple(step_scores) if output_scores else None
+
+
+def _held_tokens(tokens: torch.Tensor, mask: torch.Tensor | None, vocab: int) -> torch.Tensor:
+    """`[batch, vocab]` bool: the tokens of each row of `tokens`, its padding (`mask` 0) left out."""
+    ids = tokens if mask is None else tokens.masked_fill(mask == 0, vocab)  # padding to a column cut off
+    held = torch.zeros(tokens.shape[0], vocab + 1, dtype=torch.bool, device=tokens.device)
+    return held.scatter_(1, ids, True)[:, :vocab].contiguous()
 
 
 def _forward_fn(

@@ -119,6 +119,7 @@ def speculative_generate(
     top_k: int = 0,
     top_p: float = 1.0,
     min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
     generator: torch.Generator | None = None,
     intermediate_states: bool | None = None,
     cache: Cache | None = None,
@@ -136,7 +137,9 @@ def speculative_generate(
     target forward. Greedy (`do_sample=False`) returns exactly the target's greedy output; sampling
     returns a sample of the target's own (temperature / top-k / top-p processed) distribution, and
     with a drafter that does not sample (prompt lookup, suffix drafting: `Drafter.samples` False)
-    exactly the tokens `generate` samples with the same generator state.
+    exactly the tokens `generate` samples with the same generator state. `repetition_penalty` is
+    `generate`'s, applied at every verified position (a draft's own earlier tokens count there);
+    single-row runs only.
     `intermediate_states`: have a model with `set_return_intermediate_states` hand its per-token
     recurrent states to the cache during verification, so rejected tokens are cropped in place;
     None = whenever the target supports it; False = never (rollback re-feeds the accepted tokens).
@@ -196,8 +199,12 @@ def speculative_generate(
     eos = frozenset(check_token_list("eos_token_id", eos_token_id, int(target.vocab_size)))
     device = input_ids.device
     check_generator(generator, device)
-    verifier = Verifier(Sampling(do_sample, temperature, top_k, top_p, min_p), generator)
+    verifier = Verifier(Sampling(do_sample, temperature, top_k, top_p, min_p, repetition_penalty=repetition_penalty),
+                        generator)  # fmt: skip
     use_intermediate = intermediate_states_switch(target, intermediate_states)
+    if batched and verifier.sampling.penalized:
+        raise GenerationError("repetition_penalty: batched speculative decoding does not apply it; decode the rows "
+                              "one at a time, or with generate", param="repetition_penalty")  # fmt: skip
     if batched:
         return speculate_batch(target, drafter, verifier, input_ids, attention_mask, encoder_decoder,
                                num_draft_tokens, draft_schedule, max_new_tokens, eos, pad_token_id,
@@ -271,6 +278,10 @@ def _decode(
         sequences=torch.empty(0), cache=runner.cache, draft_cache=None, target_forwards=0, draft_forwards=0
     )
     generated = 0
+    seen = None  # the sequence's tokens (`[vocab]` bool), for a repetition penalty
+    if verifier.sampling.penalized:
+        seen = torch.zeros(runner.vocab_size, dtype=torch.bool, device=runner.device)
+        seen[torch.tensor(sequence, device=runner.device)] = True
 
     def emit(new_tokens: list[int], proposed: int, accepted: int) -> bool:
         """Append the step's tokens (cut at `max_new_tokens` and eos); whether it ended the run."""
@@ -281,6 +292,8 @@ def _decode(
             new_tokens = new_tokens[: next(i for i, t in enumerate(new_tokens) if t in eos) + 1]
         sequence.extend(new_tokens)
         generated += len(new_tokens)
+        if seen is not None and new_tokens:
+            seen[torch.tensor(new_tokens, device=seen.device)] = True
         out.proposed_per_step.append(proposed)
         out.accepted_per_step.append(accepted)
         out.emitted_per_step.append(len(new_tokens))
@@ -288,7 +301,7 @@ def _decode(
 
     done = False
     if first is not None:
-        done = emit(verifier.verify(Draft([]), first[None])[1], 0, 0)
+        done = emit(verifier.verify(Draft([]), first[None], None, seen)[1], 0, 0)
         out.draft_rollback_paths[drafter.accept(sequence)] += 1
     while not done:
         # Kept tokens a deferred re-feed left out of the target's cache go in front of this forward.
@@ -323,7 +336,7 @@ def _decode(
         logits = runner.feed(sequence[len(runner.tokens) :] + fed, rollback=bool(fed))
         if pending:
             logits = logits[pending:]
-        accepted, new_tokens = verifier.verify(proposal if budget else NO_DRAFT, logits)
+        accepted, new_tokens = verifier.verify(proposal if budget else NO_DRAFT, logits, None, seen)
         if not budget and proposal.tokens:  # the shadow proposal, judged against the target's token
             accepted = int(proposal.tokens[0] == new_tokens[0])
         schedule.update(len(fed), accepted)

@@ -7,8 +7,7 @@ a request or a flag that names a setting overrides it, one that does not gets th
 what the file writes is taken (as vLLM takes it), so a directory that says nothing keeps the
 caller's own defaults; a file that sets `do_sample` to false asks for greedy decoding
 (temperature 0), as transformers reads it. A value out of range is left out with a warning: the
-model still loads, as it does in transformers. The command line has no repetition-penalty flag:
-`kvcache generate` reads the other four; `kvcache serve` all five.
+model still loads, as it does in transformers.
 """
 
 from __future__ import annotations
