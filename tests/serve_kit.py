@@ -144,7 +144,8 @@ def byte_level_bpe(corpus: list[str], vocab_size: int, special: list[str]) -> An
 
 def tiny_model_dir(path: Path, kind: str = "llama") -> Path:
     """A tiny random transformers model (`kind`: "llama"; "gemma3": sliding-window and full
-    attention; "lfm2": short convolutions and attention; "jamba": Mamba1 mixers and attention) and
+    attention; "lfm2": short convolutions and attention; "jamba": Mamba1 mixers and attention;
+    "mistral3" and "qwen2_5_vl": image-text-to-text checkpoints, a tiny vision tower included) and
     a byte-level BPE tokenizer that adds
     a BOS, with a chat template, saved as a local transformers model directory (what `--model DIR`
     loads)."""
@@ -174,6 +175,19 @@ def tiny_model_dir(path: Path, kind: str = "llama") -> Path:
                                           expert_layer_period=2, num_experts=1, mamba_d_state=8,
                                           initializer_range=0.2)  # fmt: skip
         transformers.JambaForCausalLM(config).save_pretrained(path)
+    elif kind == "mistral3":  # Mistral Small 3.x's kind: a Pixtral vision tower and a Mistral decoder
+        text = {**common, "model_type": "mistral", "num_hidden_layers": 2, "head_dim": 8, "initializer_range": 0.2}
+        vision = {"model_type": "pixtral", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                  "num_attention_heads": 2, "head_dim": 8, "image_size": 28, "patch_size": 14}  # fmt: skip
+        config = transformers.Mistral3Config(text_config=text, vision_config=vision, image_token_index=299)
+        transformers.Mistral3ForConditionalGeneration(config).save_pretrained(path)
+    elif kind == "qwen2_5_vl":  # multimodal rotary positions (mrope), text-only here
+        text = {**common, "num_hidden_layers": 2, "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]}}
+        vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32}
+        config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=299,
+                                               video_token_id=298, vision_start_token_id=297, eos_token_id=2,
+                                               bos_token_id=1)  # fmt: skip
+        transformers.Qwen2_5_VLForConditionalGeneration(config).save_pretrained(path)
     elif kind == "gemma3":
         config = transformers.Gemma3TextConfig(**common, num_hidden_layers=3, head_dim=8, sliding_window=6,
                                                layer_types=["sliding_attention", "full_attention",

@@ -67,6 +67,24 @@ def test_a_model_directory_prints_what_transformers_generate_gives(dirs, capsys,
         assert out == expected + "\n", (extra, out, expected)
 
 
+@pytest.mark.parametrize("kind", ["mistral3", "qwen2_5_vl"])
+def test_an_image_text_checkpoint_runs_on_text(tmp_path: Path, capsys, kind: str) -> None:
+    """A directory no causal-LM class takes (Mistral 3, Qwen2.5-VL: a vision tower and a decoder) is
+    loaded with its image-text-to-text class and prints, plain and with prompt lookup, what that
+    class's greedy `generate` gives on the prompt's text alone."""
+    where = tiny_model_dir(tmp_path / kind, kind)
+    model = transformers.AutoModelForImageTextToText.from_pretrained(where).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(where)
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False)
+    expected = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    assert len(set(out[0, ids.shape[1] :].tolist())) > 3  # an answer that does not just repeat one token
+    for extra in ((), ("--prompt-lookup", "3")):
+        code, printed, err = cli(capsys, *greedy(where, *extra))
+        assert code == 0, err
+        assert printed == expected + "\n", (extra, printed, expected)
+
+
 def transformers_tokens(where: Path, text: str) -> list[int]:
     return transformers.AutoTokenizer.from_pretrained(where)(text, add_special_tokens=False).input_ids
 

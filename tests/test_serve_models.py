@@ -31,7 +31,13 @@ def reference(where: Path):
 
     from kvcache.integrations.transformers import wrap_model
 
-    model = wrap_model(AutoModelForCausalLM.from_pretrained(where, dtype=torch.float64).eval())
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float64)
+    except ValueError:  # an image-text-to-text checkpoint (no causal-LM class takes its configuration)
+        from transformers import AutoModelForImageTextToText
+
+        hf = AutoModelForImageTextToText.from_pretrained(where, dtype=torch.float64)
+    model = wrap_model(hf.eval())
     tokenizer = AutoTokenizer.from_pretrained(where)
 
     def ids(prompt: list[int], n: int) -> list[int]:
@@ -98,6 +104,29 @@ def test_hybrids_are_served_their_turns_reused_with_and_without_speculation(tmp_
     finally:
         assert process.terminate() == 0
     assert "dropped" not in process.log() and "Traceback" not in process.log()
+
+
+@pytest.mark.parametrize("kind", ["mistral3", "qwen2_5_vl"])
+def test_an_image_text_checkpoint_is_served_text(tmp_path: Path, kind: str) -> None:
+    """Mistral 3 and Qwen2.5-VL directories served on text: concurrent greedy completions (rows of
+    one batch) and a chat each equal the prompt decoded alone."""
+    where = tiny_model_dir(tmp_path / kind, kind)
+    alone, tokenizer = reference(where)
+    process = ServeProcess("--model", str(where), "--dtype", "float64", "--threads", "1")
+    process.start(tmp_path / "stderr.log")
+    try:
+        c = client(process)
+        prompts = ["The value of the cache is the", "the sum of its tokens. " * 3, "The cache is", "tokens. The"]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda p: c.completions.create(model=kind, prompt=p, max_tokens=16,
+                                                               temperature=0).choices[0].text, prompts))  # fmt: skip
+        assert got == [alone(p, 16) for p in prompts]
+        messages = [{"role": "user", "content": "The value?"}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert chat(c, kind, messages, 12).choices[0].message.content == alone(text, 12, special=False)
+    finally:
+        assert process.terminate() == 0
+    assert "Traceback" not in process.log()
 
 
 def test_the_same_weights_at_another_path_share_a_store(tmp_path: Path) -> None:

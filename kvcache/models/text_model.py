@@ -185,9 +185,15 @@ def from_directory(path: str | Path, dtype: torch.dtype | None = None,
                    device: torch.device | str | None = None) -> TextModel:  # fmt: skip
     """A transformers causal LM and its tokenizer saved in `path` (local files only), on `device`
     (default: the CPU) in `dtype` (default: the dtype the directory names, as transformers'
-    `dtype="auto"`)."""
+    `dtype="auto"`). An image-text-to-text checkpoint that no causal-LM class takes (Mistral 3,
+    Qwen2.5-VL, Qwen3-VL) is loaded whole with its own class and runs on text alone, as vLLM serves
+    such a model to a text request."""
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+        from transformers.models.auto.modeling_auto import (
+            MODEL_FOR_CAUSAL_LM_MAPPING,
+            MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+        )
     except ImportError as exc:
         raise CacheInputError('--model needs transformers: pip install "kvcache[transformers]"') from exc
     from ..integrations.transformers import wrap_model
@@ -203,9 +209,13 @@ def from_directory(path: str | Path, dtype: torch.dtype | None = None,
         raise CacheInputError(f"--model {path}: {type(config).__name__} is an encoder-decoder model; the CLI and "
                               "the server run causal LMs (from Python, wrap it with "
                               "kvcache.integrations.transformers.wrap_model)")  # fmt: skip
+    # a configuration the causal-LM classes do not map: its image-text-to-text class, if it has one
+    kind = type(config)
+    image_text = kind not in MODEL_FOR_CAUSAL_LM_MAPPING and kind in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+    auto = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
     try:
-        hf, loading = AutoModelForCausalLM.from_pretrained(where, local_files_only=True, dtype=dtype or "auto",
-                                                           output_loading_info=True)  # fmt: skip
+        hf, loading = auto.from_pretrained(where, local_files_only=True, dtype=dtype or "auto",
+                                           output_loading_info=True)  # fmt: skip
         tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:  # no weights, a type with no causal LM
         raise _not_a_model(path, exc) from exc
