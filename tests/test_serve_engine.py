@@ -948,6 +948,23 @@ def test_repetition_penalty_is_honoured_by_plain_and_speculative_steps(bundled) 
     assert sampled != run(True, penalty=1.0)
 
 
+class GroupShySampling(Sampling):
+    def scores(self, logits, counts=None, seen=None):  # fails for several rows at once, works for one
+        if logits.shape[0] > 1:
+            raise RuntimeError("scored together")
+        return super().scores(logits, counts, seen)
+
+
+def test_greedy_rows_scored_together_fall_back_to_each_row_alone(bundled) -> None:
+    """Penalized greedy rows of one sampling are scored in one call; where that call fails, each row
+    is scored alone and still gets its own greedy tokens (no row fails for the group)."""
+    model, tokenizer = bundled
+    prompts = [prompt_ids(tokenizer, i, n) for i, n in enumerate((40, 70, 55))]
+    for sampling in (Sampling(False, repetition_penalty=1.4), GroupShySampling(False, repetition_penalty=1.4)):
+        answers = seeded_answers(model, prompts, 16, sampling)
+        assert answers == [repetition_greedy(model, p, 16, 1.4) for p in prompts], type(sampling).__name__
+
+
 def test_repetition_penalty_scores_as_transformers_processor() -> None:
     """`Sampling.scores` with `repetition_penalty`: transformers' `RepetitionPenaltyLogitsProcessor`
     over the prompt's tokens (`seen`) and the generated ones (`counts`), bit for bit, before the

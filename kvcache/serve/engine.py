@@ -43,6 +43,7 @@ from . import prefill
 from . import rows as batch_rows
 from .events import BatchedSink
 from .grammar import Constraint, TokenizerInBackground
+from .greedy import greedy_tokens
 from .logprobs import token_logprobs
 from .metrics import Metrics
 from .request import Request
@@ -304,21 +305,15 @@ class Engine:
         assert cache is not None
         ids = torch.tensor([[r.pending] for r in rows], dtype=torch.long, device=self.device)
         logits = self.model(ids, cache=cache, **self.row_inputs(1))[:, -1]
-        # every greedy row's token from one argmax and one host transfer (what `_choose` picks per row)
-        plain = [r.sampling.argmax_only for r in rows]  # rows whose token is the argmax
-        greedy = logits.float().argmax(-1).tolist() if any(plain) else []
-        held = [b for b, r in enumerate(rows) if plain[b] and r.constraint is not None]
-        if held:  # greedy rows held to a grammar: the argmax of the tokens each allows, in one pass
-            allowed = torch.stack([rows[b].constraint.allowed for b in held]).to(logits.device)
-            picks = logits[held].float().masked_fill(~allowed, float("-inf")).argmax(-1).tolist()
-            for b, token in zip(held, picks, strict=True):
-                greedy[b] = token
+        # greedy rows' tokens decided together (what `_choose` picks per row), in a few host transfers
+        greedy = greedy_tokens(rows, logits)
         keep = []
         for b, request in enumerate(rows):
             try:
                 fed = request.pending
                 request.session.advance([fed], self.row_capture(b))
-                self._emit(request, greedy[b] if plain[b] else self._choose(request, logits[b : b + 1]),
+                token = greedy[b]
+                self._emit(request, token if token is not None else self._choose(request, logits[b : b + 1]),
                            logits[b])  # fmt: skip
             except Exception as exc:  # this row's own failure (its sampling, its store path): it alone ends
                 self._fail(request, exc)
