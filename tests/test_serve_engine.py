@@ -948,6 +948,43 @@ def test_repetition_penalty_is_honoured_by_plain_and_speculative_steps(bundled) 
     assert sampled != run(True, penalty=1.0)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_rows_decided_together_get_the_tokens_each_gets_alone(seed: int) -> None:
+    """`step_tokens` over a batch of rows with mixed settings (greedy, a logit bias, penalties, a
+    temperature with top-k / top-p / min-p, each shared by several rows or alone) gives every row
+    the token that scoring it alone and drawing from its own generator gives."""
+    from kvcache.serve.row_tokens import step_tokens
+
+    rng = torch.Generator().manual_seed(seed)
+    vocab = 50
+    settings = [Sampling(False), Sampling(False, logit_bias=((3, 5.0),)), Sampling(False, repetition_penalty=1.3),
+                Sampling(False, presence_penalty=0.5, frequency_penalty=0.3),
+                Sampling(True, 0.8, top_k=10, top_p=0.9), Sampling(True, 1.2, min_p=0.05, repetition_penalty=1.2),
+                Sampling(True, 0.7)]  # fmt: skip
+    rows = []
+    for b in range(12):
+        sampling = settings[int(torch.randint(len(settings), (1,), generator=rng))]
+        row = Request(prompt=torch.randint(vocab, (8,), generator=rng).tolist(), max_tokens=4, sampling=sampling,
+                      seed=b)  # fmt: skip
+        row.generator = torch.Generator().manual_seed(100 + b)
+        if sampling.penalized:
+            row.counts = torch.randint(0, 3, (vocab,), generator=rng).float()
+        if sampling.repetition_penalty != 1:
+            row.prompt_seen = torch.zeros(vocab, dtype=torch.bool)
+            row.prompt_seen[row.prompt] = True
+        rows.append(row)
+    logits = torch.randn(len(rows), vocab, generator=rng) * 3
+    states = [r.generator.get_state() for r in rows]
+    together = step_tokens(rows, logits)
+    for b, row in enumerate(rows):
+        scores = row.sampling.scores(logits[b : b + 1], row.counts, row.prompt_seen)
+        if row.sampling.do_sample:
+            alone = int(torch.multinomial(scores.softmax(-1), 1, generator=torch.Generator().set_state(states[b])))
+        else:
+            alone = int(scores.argmax(-1))
+        assert together[b] == alone, (b, row.sampling)
+
+
 class GroupShySampling(Sampling):
     def scores(self, logits, counts=None, seen=None):  # fails for several rows at once, works for one
         if logits.shape[0] > 1:

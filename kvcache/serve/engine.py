@@ -43,10 +43,10 @@ from . import prefill
 from . import rows as batch_rows
 from .events import BatchedSink
 from .grammar import Constraint, TokenizerInBackground
-from .greedy import greedy_tokens
 from .logprobs import token_logprobs
 from .metrics import Metrics
 from .request import Request
+from .row_tokens import step_tokens
 from .speculation import can_speculate, speculative_step
 
 #: Rows decoded together at most; newcomers wait while the batch is full.
@@ -305,14 +305,14 @@ class Engine:
         assert cache is not None
         ids = torch.tensor([[r.pending] for r in rows], dtype=torch.long, device=self.device)
         logits = self.model(ids, cache=cache, **self.row_inputs(1))[:, -1]
-        # greedy rows' tokens decided together (what `_choose` picks per row), in a few host transfers
-        greedy = greedy_tokens(rows, logits)
+        # the rows' tokens decided together (what `_choose` picks per row), in a few host transfers
+        picked = step_tokens(rows, logits)
         keep = []
         for b, request in enumerate(rows):
             try:
                 fed = request.pending
                 request.session.advance([fed], self.row_capture(b))
-                token = greedy[b]
+                token = picked[b]
                 self._emit(request, token if token is not None else self._choose(request, logits[b : b + 1]),
                            logits[b])  # fmt: skip
             except Exception as exc:  # this row's own failure (its sampling, its store path): it alone ends
