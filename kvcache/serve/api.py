@@ -97,6 +97,8 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
             raise ApiError(429, "the server is busy: too many requests are waiting, retry later")
         if any(token >= served.vocab_size for token, _ in params.logit_bias):
             raise ApiError(400, f"logit_bias token ids must be in [0, {served.vocab_size})", param="logit_bias")
+        if any(token >= served.vocab_size for token in params.stop_token_ids):
+            raise ApiError(400, f"stop_token_ids must be in [0, {served.vocab_size})", param="stop_token_ids")
         sampling = Sampling(params.temperature > 0, params.temperature or 1.0, params.top_k, params.top_p,
                             params.min_p, params.logit_bias, params.presence_penalty, params.frequency_penalty,
                             params.repetition_penalty)  # fmt: skip
@@ -105,10 +107,12 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
             for j in range(params.n):
                 seed = None if params.seed is None else (params.seed + j + 2**63) % 2**64 - 2**63
                 request = Request(prompt=prompt, max_tokens=params.max_tokens, sampling=sampling, seed=seed,
-                                  logprobs=params.logprobs, grammar=params.grammar,
+                                  logprobs=params.logprobs, grammar=params.grammar, stop_ids=params.stop_token_ids,
+                                  ignore_eos=params.ignore_eos, min_tokens=params.min_tokens,
                                   prompt_logprobs=params.logprobs if params.echo else None)  # fmt: skip
                 echo = (original if isinstance(original, str) else served.decode(prompt)) if params.echo else None
                 choices.append(Completion(served, engine, request, params.stop, chat=chat, index=i * params.n + j,
+                                          include_stop=params.include_stop,
                                           counts_prompt=j == 0, echo=echo, tools=params.tools,
                                           reasoning=params.reasoning, reasoning_tags=params.reasoning_tags,
                                           call_style=params.call_style,

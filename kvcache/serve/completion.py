@@ -37,16 +37,21 @@ read; else whether the prompt left the model thinking, `reasoning.opened_in`, wi
 `opening`: the answer's start that the
 prompt already holds (a forced call's, `tools.call_opening`), read as the answer's but not counted
 as its tokens; `closing`: what the answer's grammar left for the template to write once it ended
-(the grammar's end, not a stop string's), read as the answer's end (a forced call's closing tag)."""
+(the grammar's end, not a stop string's), read as the answer's end (a forced call's closing tag).
+A stop string ends the answer only where it ends past the text of its request's first
+`min_tokens` tokens (as vLLM reads them), and stays in the text with `include_stop`."""
 
     def __init__(self, served: ServedModel, engine: Any, request: Request, stops: list[str], *,
                  chat: bool = False, index: int = 0, counts_prompt: bool = True,
                  echo: str | None = None, tools: list[dict[str, Any]] | None = None,
                  reasoning: bool | None = None, reasoning_tags: tuple[str, str] | None = None,
                  call_style: str | None = "json", opening: str = "",
-                 closing: str = "") -> None:  # fmt: skip
+                 closing: str = "", include_stop: bool = False) -> None:  # fmt: skip
         self.served, self.engine, self.request, self.stops, self.chat = served, engine, request, stops, chat
         self.index, self.counts_prompt, self.echo = index, counts_prompt, echo
+        self.include_stop = include_stop
+        #: vLLM's `stop_reason`: the stop string or stop token id the answer ended on (None: neither)
+        self.stop_reason: str | int | None = None
         self.prompt_logprobs: list[TokenLogprobs] | None = None  # the engine's "prompt" event, when asked
         self.queue: asyncio.Queue = asyncio.Queue()
         request.on_event = asyncio_sink(asyncio.get_running_loop(), self.queue)
@@ -89,6 +94,8 @@ as its tokens; `closing`: what the answer's grammar left for the template to wri
         set when it ends."""
         holdback = max((len(s) for s in self.stops), default=1) - 1
         sent = 0
+        # where the text past the first min_tokens tokens starts (None: not yet there)
+        floor, text = (0 if self.request.min_tokens == 0 else None), ""
         try:
             while True:
                 kind, value = await self.queue.get()
@@ -107,6 +114,8 @@ as its tokens; `closing`: what the answer's grammar left for the template to wri
                     raise ApiError(503, str(value))
                 if kind == "done":
                     self.finish_reason = "stop" if value == "stop" else "length" if value == "length" else value
+                    if value == "stop" and self.tokens and self.tokens[-1] in self.request.stop_ids:
+                        self.stop_reason = self.tokens[-1]
                     self.detokenizer.add(fresh)
                     self.text = self.detokenizer.finish()
                     if sent < len(self.text):
@@ -114,9 +123,18 @@ as its tokens; `closing`: what the answer's grammar left for the template to wri
                     return
                 token = self._take(value)
                 self.tokens.append(token)
+                shown = text if floor is None else ""  # (the text before this token, while it may matter)
                 text = self.detokenizer.add([*fresh, token])
-                cut = min((i for s in self.stops if (i := text.find(s, max(0, sent - len(s)))) >= 0), default=-1)
-                if cut >= 0:  # (a held call cut here is not complete: its closing tag is not added)
+                if floor is None and len(self.tokens) > self.request.min_tokens:
+                    floor = len(shown)  # the first min_tokens tokens' text: no stop string ends in it
+                found = [] if floor is None else [
+                    (i, -len(s), s) for s in self.stops
+                    if (i := text.find(s, max(0, sent - len(s), floor - len(s) + 1))) >= 0]  # fmt: skip
+                if found:  # (a held call cut here is not complete: its closing tag is not added)
+                    cut, _, stop = min(found)
+                    self.stop_reason = stop
+                    if self.include_stop:
+                        cut += len(stop)
                     self.text, self.finish_reason, self._closing = text[:cut], "stop", ""
                     self.engine.finish_early(self.request)
                     if sent < cut:
@@ -217,7 +235,9 @@ async def whole(http: HttpRequest, choices: list[Completion], chat: bool, logpro
             task.cancel()  # (after a failure: the other rows leave the batch)
     out = []
     for choice, content in zip(choices, texts, strict=True):
-        shaped: dict[str, Any] = {"index": choice.index, "finish_reason": choice.finish_reason}
+        # vLLM's `stop_reason` beside OpenAI's fields: the stop string or stop token id it ended on
+        shaped: dict[str, Any] = {"index": choice.index, "finish_reason": choice.finish_reason,
+                                  "stop_reason": choice.stop_reason}  # fmt: skip
         given = choice.logprobs_since(0) if logprobs else None
         if chat:
             shaped.update(message=_message(choice, content), logprobs=given, finish_reason=choice.shown_finish_reason())
@@ -321,6 +341,8 @@ async def _chunks(choice: Completion, head: dict[str, Any], kind: str, chat: boo
             shaped = {"index": choice.index, "delta": piece, "logprobs": given, "finish_reason": finish}
         else:
             shaped = {"index": choice.index, "text": delta or "", "logprobs": given, "finish_reason": finish}
+        if finish is not None:
+            shaped["stop_reason"] = choice.stop_reason
         usage = {"usage": None} if include_usage else {}  # OpenAI's chunks say null until the last
         return f"data: {json.dumps({**head, 'object': kind, 'choices': [shaped], **usage})}\n\n"
 

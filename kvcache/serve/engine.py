@@ -46,7 +46,7 @@ from .grammar import Constraint, TokenizerInBackground
 from .logprobs import token_logprobs
 from .metrics import Metrics
 from .request import Request
-from .row_tokens import step_tokens
+from .row_tokens import ban_early_ends, step_tokens
 from .speculation import can_speculate, speculative_step
 
 #: Rows decoded together at most; newcomers wait while the batch is full.
@@ -256,6 +256,7 @@ class Engine:
         if self.speculative:
             request.drafter = self._new_drafter()
             request.drafter.start(request.prompt, device=self.device)
+        ban_early_ends([request], logits, self.eos)
         self._emit(request, self._choose(request, logits), logits)
         if request.finish_reason is None:
             self._ready.append(request)
@@ -305,6 +306,7 @@ class Engine:
         assert cache is not None
         ids = torch.tensor([[r.pending] for r in rows], dtype=torch.long, device=self.device)
         logits = self.model(ids, cache=cache, **self.row_inputs(1))[:, -1]
+        ban_early_ends(rows, logits, self.eos)
         # the rows' tokens decided together (what `_choose` picks per row), in a few host transfers
         picked = step_tokens(rows, logits)
         keep = []
@@ -364,7 +366,8 @@ class Engine:
         self._send(request, ("token", token_logprobs(scores, token, request.logprobs) if asked else token))
         if request.constraint is not None:
             request.constraint.accept(token)
-        if token in self.eos or token in request.stop_ids or (request.constraint and request.constraint.done):
+        if ((token in self.eos and not request.ignore_eos) or token in request.stop_ids
+                or (request.constraint and request.constraint.done)):  # fmt: skip
             self._finish(request, "stop")
         elif len(request.tokens) >= request.max_tokens:
             self._finish(request, "length")

@@ -273,7 +273,8 @@ def _on_thread_of(loop: asyncio.AbstractEventLoop) -> bool:
 def _fields(request: Request) -> dict[str, Any]:
     return {"prompt": request.prompt, "max_tokens": request.max_tokens, "sampling": request.sampling,
             "seed": request.seed, "stop_ids": request.stop_ids, "logprobs": request.logprobs,
-            "prompt_logprobs": request.prompt_logprobs, "grammar": request.grammar}  # fmt: skip
+            "prompt_logprobs": request.prompt_logprobs, "grammar": request.grammar,
+            "ignore_eos": request.ignore_eos, "min_tokens": request.min_tokens}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ the child

@@ -23,7 +23,9 @@ class Request:
     max_tokens: int
     sampling: Sampling
     seed: int | None = None
-    stop_ids: frozenset[int] = frozenset()
+    stop_ids: frozenset[int] = frozenset()  # tokens that end the answer besides the model's end tokens
+    ignore_eos: bool = False  # the model's end tokens do not end the answer
+    min_tokens: int = 0  # no end token (nor stop id) is chosen before the answer has this many tokens
     logprobs: int | None = None  # tokens come with their log probabilities and this many alternatives
     prompt_logprobs: int | None = None  # the prompt's, first (a "prompt" event), with this many alternatives
     grammar: str | None = None  # the answer is held to this llguidance grammar (`grammar.grammar_of`)

@@ -56,6 +56,24 @@ def step_tokens(rows: list[Any], logits: torch.Tensor) -> list[int | None]:
     return picks
 
 
+def ban_early_ends(rows: list[Any], logits: torch.Tensor, eos: frozenset[int]) -> None:
+    """Rows (engine `Request`s) short of their `min_tokens` cannot end yet: in place, the logits of
+    the tokens that would end each such row (the model's `eos` unless it ignores them, its stop
+    ids) become -inf wherever the token chosen would come before its `min_tokens`-th. `logits`:
+    `[rows, vocab]` (each row's next token) or `[rows, width, vocab]` (position j chooses the row's
+    token after j more), as vLLM's min-tokens processor masks them."""
+    for b, row in enumerate(rows):
+        short = row.min_tokens - len(row.tokens)
+        ends = row.stop_ids if row.ignore_eos else row.stop_ids | eos
+        if short <= 0 or not ends:
+            continue
+        ids = torch.tensor(sorted(ends), device=logits.device)
+        if logits.dim() == 2:
+            logits[b, ids] = float("-inf")
+        else:
+            logits[b, :short, ids] = float("-inf")
+
+
 def _scores(sampling: Sampling, rows: list[Any], logits: torch.Tensor) -> torch.Tensor:
     """`sampling`'s scores of each row's logits, with its own counts and prompt tokens."""
     vocab, device = logits.shape[-1], logits.device

@@ -42,9 +42,12 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
 #: The most choices one request asks for: its prompts (a completion may send a list) times `n`.
 MAX_CHOICES = 64
+#: The most `stop_token_ids` a request may name.
+MAX_STOP_TOKEN_IDS = 64
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options",
           "logprobs", "top_logprobs", "n", "logit_bias", "presence_penalty", "frequency_penalty",
-          "repetition_penalty"}  # fmt: skip
+          "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
+          "include_stop_str_in_output"}  # fmt: skip
 COMPLETION_FIELDS = COMMON | {"prompt"} | set(NEUTRAL) | IGNORED
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs"} | set(NEUTRAL) | IGNORED
 #: `apply_chat_template`'s own parameters, which `chat_template_kwargs` may not set.
@@ -99,6 +102,12 @@ class Params:
     presence_penalty: float = 0.0  # subtracted from the logits of every token generated so far
     frequency_penalty: float = 0.0  # ... once per time it was generated
     repetition_penalty: float = 1.0  # divides (multiplies, if negative) the logits of tokens seen (vLLM's field)
+    # vLLM's fields: the answer goes on past the model's end tokens; ends at these tokens too; cannot
+    # end (an end or stop token, a stop string) before this many tokens; shows the stop string it ended on
+    ignore_eos: bool = False
+    stop_token_ids: frozenset[int] = frozenset()
+    min_tokens: int = 0
+    include_stop: bool = False
 
 
 #: JSON nested deeper than this is refused (a request needs 4 levels; Python's parser recurses).
@@ -208,6 +217,10 @@ def _common(body: dict[str, Any], allowed: set[str], model: str, limits: Limits,
              else 0 if top_k == -1 else _integer(top_k, "top_k", 0, 1 << 31))  # fmt: skip
     temperature = _number(body, "temperature", model_says.get("temperature", 1.0), 0.0, 2.0)
     n = 1 if body.get("n") is None else _integer(body["n"], "n", 1, MAX_CHOICES)
+    min_tokens = 0 if body.get("min_tokens") is None else _integer(body["min_tokens"], "min_tokens", 0, 1 << 31)
+    if min_tokens > max_tokens:  # (vLLM answers it so)
+        raise ApiError(400, f"min_tokens must be at most max_tokens ({max_tokens}), got {min_tokens}",
+                       param="min_tokens")  # fmt: skip
     return Params(prompts=[], max_tokens=max_tokens, n=n, logit_bias=_logit_bias(body.get("logit_bias")),
                   temperature=0.0 if temperature < GREEDY_BELOW else temperature,
                   top_p=_number(body, "top_p", model_says.get("top_p", 1.0), 0.0, 1.0, low_open=True), top_k=top_k,
@@ -216,7 +229,31 @@ def _common(body: dict[str, Any], allowed: set[str], model: str, limits: Limits,
                   presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
                   frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
                   repetition_penalty=_number(body, "repetition_penalty", model_says.get("repetition_penalty", 1.0),
-                                             0.0, 2.0, low_open=True))  # fmt: skip
+                                             0.0, 2.0, low_open=True),
+                  ignore_eos=_flag(body, "ignore_eos"), stop_token_ids=_stop_token_ids(body.get("stop_token_ids")),
+                  min_tokens=min_tokens, include_stop=_flag(body, "include_stop_str_in_output"))  # fmt: skip
+
+
+def _flag(body: dict[str, Any], name: str) -> bool:
+    """A boolean field (null or absent: false)."""
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ApiError(400, f"{name} must be a boolean, got {value!r}", param=name)
+    return value
+
+
+def _stop_token_ids(value: Any) -> frozenset[int]:
+    """vLLM's `stop_token_ids`: a list of at most `MAX_STOP_TOKEN_IDS` token ids (null: none). Ids
+    past the vocabulary are refused by the server."""
+    if value is None:
+        return frozenset()
+    if (not isinstance(value, list) or len(value) > MAX_STOP_TOKEN_IDS
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)):  # fmt: skip
+        raise ApiError(400, f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids, got "
+                       f"{value!r}"[:300], param="stop_token_ids")  # fmt: skip
+    return frozenset(value)
 
 
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:

@@ -28,6 +28,7 @@ from ..generation.draft_schedule import packed_tokens
 from ..generation.drafters import Draft, Drafter
 from ..generation.switches import holds_recurrent_states
 from ..generation.verifier import Verifier
+from .row_tokens import ban_early_ends
 
 NO_DRAFT = Draft([])
 
@@ -85,6 +86,7 @@ def speculative_step(engine: Any) -> None:
         cache.activate_past_recording()
     packing = {"tokens_per_row": counts} if packed else {}
     logits = engine.model(ids, cache=cache, **engine.row_inputs(width), **packing)
+    ban_early_ends(rows, logits, engine.eos)  # (a row short of its min_tokens: its end tokens are rejected)
     choices = logits.argmax(-1).tolist()  # every greedy row's choices in one host transfer
     verdicts = [(0, [engine._choose(rows[b], logits[b, :1])]) if rows[b].constraint is not None  # (no draft)
                 else _greedy(draft, choices[b]) if verifier.sampling.argmax_only
