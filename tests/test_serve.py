@@ -374,6 +374,7 @@ def test_bad_flags_are_one_line_errors(capsys) -> None:
                         (["--speculative", "2", "--prompt-lookup", "3"], "one speculation flag"),
                         (["--suffix-draft", "4", "--prompt-lookup", "3"], "alternatives"),
                         (["--device", "tpu"], "--device 'tpu'"),
+                        (["--served-model-name", "m", " "], "a name must not be empty"),
                         *([] if torch.cuda.is_available() else [(["--device", "cuda"], "CUDA is not available")])):
         code = main(["serve", *argv])
         out, err = capsys.readouterr()

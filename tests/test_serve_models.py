@@ -7,6 +7,7 @@ alone (float64: see tests/test_serve.py for why)."""
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import shutil
 import time
 from pathlib import Path
@@ -152,6 +153,37 @@ def test_the_same_weights_at_another_path_share_a_store(tmp_path: Path) -> None:
             assert process.terminate() == 0
     assert answers[0] == answers[1] and cached[0] == 0
     assert cached[1] == (answer.usage.prompt_tokens - 1) // 16 * 16 > 0
+
+
+def test_a_model_answers_to_the_ids_vllm_gives_it_or_to_the_names_it_is_told(tmp_path: Path) -> None:
+    """By default the served id is the directory's name, and the `--model` path as given (vLLM's
+    default id, which clients written for it send) or in full is taken too; `--served-model-name`
+    replaces them all, its first name the one answers, the model list and the startup line show."""
+    where = tiny_model_dir(tmp_path / "tiny-llama")
+    relative = os.path.relpath(where)
+    common = ("--dtype", "float64", "--threads", "1")
+    default = ServeProcess("--model", relative, *common).launch(tmp_path / "default.log")
+    named = ServeProcess("--model", str(where), *common, "--served-model-name", "team/llama", "alias",
+                         "alias").launch(tmp_path / "named.log")  # fmt: skip
+    try:
+        for process in (default, named):
+            process.wait_started()
+        for process, shown, taken, refused in ((default, "tiny-llama", ("tiny-llama", relative, str(where)), "alias"),
+                                               (named, "team/llama", ("team/llama", "alias"), "tiny-llama")):
+            c = client(process)
+            assert [m.id for m in c.models.list().data] == [shown]
+            for name in taken:
+                answer = c.completions.create(model=name, prompt="The value", max_tokens=2, temperature=0)
+                assert answer.model == shown and c.models.retrieve(name).id == shown
+                assert chat(c, name, [{"role": "user", "content": "hi"}], 2).model == shown
+            with pytest.raises(openai.NotFoundError, match=f"this server serves '{shown}'"):
+                c.completions.create(model=refused, prompt="The value", max_tokens=2)
+            with pytest.raises(openai.NotFoundError):
+                c.models.retrieve(refused)
+            assert f"kvcache serve: {shown} on " in process.log()
+    finally:
+        for process in (default, named):
+            assert process.terminate() == 0
 
 
 def test_two_servers_on_a_redis_cluster_share_a_chat(tmp_path: Path, redis_cluster) -> None:

@@ -67,6 +67,9 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--keep-alive", type=float, default=30.0,
                         help="seconds an idle client connection stays open (default 30; uvicorn's 5 s closes "
                         "connections that busy clients are about to reuse)")
+    parser.add_argument("--served-model-name", nargs="+", metavar="NAME", default=None,
+                        help="the model id(s) requests may name, the first the one answers show (default: the "
+                        "model directory's name; the --model path as given, and in full, is taken too)")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request on stderr")
     parser.add_argument("--engine", choices=("process", "thread"), default="process",
                         help="where the model runs: a process of its own (default; the web server and the model "
@@ -163,6 +166,16 @@ def default_threads() -> int:
     return max(1, torch.get_num_threads() - 1)
 
 
+def model_names(args: argparse.Namespace, name: str) -> tuple[str, ...]:
+    """The model ids requests may name, the one answers show first: `--served-model-name`'s, else
+    the served model's `name` (a directory's name), then the `--model` path as given and in full,
+    which is what clients written for vLLM (whose default id is that path) send."""
+    if args.served_model_name:
+        return tuple(dict.fromkeys(args.served_model_name))
+    given = (args.model, str(Path(args.model).resolve())) if args.model else ()
+    return tuple(dict.fromkeys((name, *given)))
+
+
 def build_engine(args: argparse.Namespace) -> tuple[Any, Any]:
     """The served model and its engine (with its prefix store and drafters) as the flags say, `args`
     checked by `run`: what the engine process builds, or `run` itself with `--engine thread`."""
@@ -238,6 +251,8 @@ def run(args: argparse.Namespace) -> int:
             raise GenerationError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(args, name)}")
     if args.threads is not None and args.threads < 1:
         raise GenerationError(f"--threads must be >= 1, got {args.threads}")
+    if args.served_model_name is not None and not all(name.strip() for name in args.served_model_name):
+        raise GenerationError("--served-model-name: a name must not be empty")
     args.speculation_chosen = (args.speculative, args.prompt_lookup, args.suffix_draft,
                                args.draft_model) != (None,) * 4  # fmt: skip
     check_model_arguments(args)
@@ -261,7 +276,8 @@ def run(args: argparse.Namespace) -> int:
     limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                     max_tokens=args.max_tokens, default_max_tokens=min(args.default_max_tokens, args.max_tokens),
                     max_waiting=args.max_waiting)  # fmt: skip
-    app = create_app(served, engine, limits=limits, api_key=key)
+    names = model_names(args, served.name)
+    app = create_app(served, engine, limits=limits, api_key=key, names=names)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=args.access_log,
                             timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=args.keep_alive,
                             lifespan="on", http=HTTP_PROTOCOL, loop="asyncio")  # fmt: skip
@@ -274,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
         auth = ", API key required" if key else ""
         said = describe(served.sampling)
         sampling = f"; sampling defaults from its generation_config.json: {said}" if said else ""
-        print(f"kvcache serve: {served.name} on http://{args.host}:{port}/v1 (prefix store {store_location}{auth})"
+        print(f"kvcache serve: {names[0]} on http://{args.host}:{port}/v1 (prefix store {store_location}{auth})"
               f"{sampling}", file=sys.stderr, flush=True)  # fmt: skip
 
     original = server.startup

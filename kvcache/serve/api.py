@@ -46,8 +46,12 @@ HELD_CLOSINGS = {"json": "\n" + CLOSE, "markup": "\n" + CLOSE, "pythonic": PYTHO
 
 
 def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = None,
-               api_key: str | None = None) -> Starlette:  # fmt: skip
-    """The Starlette app serving `served` through `engine` (started and stopped with the app)."""
+               api_key: str | None = None, names: tuple[str, ...] = ()) -> Starlette:  # fmt: skip
+    """The Starlette app serving `served` through `engine` (started and stopped with the app).
+    `names`: the model ids requests may name, the first the one answers show (default: the served
+    model's name alone)."""
+    names = tuple(names) or (served.name,)
+    shown = names[0]
     # the served model's recommended sampling settings are what a request leaving one out gets
     limits = dataclasses.replace(limits or Limits(), sampling=dict(getattr(served, "sampling", None) or {}))
     metrics = engine.metrics
@@ -135,7 +139,7 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
 
     def checked(body: dict[str, Any], chat: bool) -> Params:
         """A request's parameters, a chat's prompt rendered by the model's template."""
-        params = (chat_params if chat else completion_params)(body, served.name, limits)
+        params = (chat_params if chat else completion_params)(body, names, limits)
         if chat:
             messages = params.messages or []
             if params.tools is not None or any(m["role"] == "tool" or "tool_calls" in m for m in messages):
@@ -167,7 +171,7 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
         params = checked(await read(http), chat)
         choices = submit(params, chat)
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
-                "model": served.name}  # fmt: skip
+                "model": shown}  # fmt: skip
         logprobs = params.logprobs is not None
         if params.stream:
             return StreamingResponse(stream(choices, head, chat, params.include_usage, logprobs),
@@ -188,7 +192,7 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
             params = checked(responses.chat_body(body), chat=True)
         except ApiError as err:
             raise responses.renamed(err) from None
-        shape = responses.ResponseShape(body, served.name, limits.sampling)
+        shape = responses.ResponseShape(body, shown, limits.sampling)
         (choice,) = submit(params, chat=True)
         if params.stream:
             return StreamingResponse(responses.events(choice, shape), media_type="text/event-stream",
@@ -199,20 +203,20 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
         finally:
             watcher.cancel()
 
-    card = {"id": served.name, "object": "model", "created": 0, "owned_by": "kvcache"}
+    card = {"id": shown, "object": "model", "created": 0, "owned_by": "kvcache"}
 
     async def models(http: HttpRequest) -> Response:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def model(http: HttpRequest) -> Response:
         name = http.path_params["name"]
-        if name != served.name:
-            raise ApiError(404, f"the model {name!r} does not exist; this server serves {served.name!r}",
+        if name not in names:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {shown!r}",
                            param="model", code="model_not_found")  # fmt: skip
         return JSONResponse(card)
 
     async def health(http: HttpRequest) -> Response:
-        return JSONResponse({"status": "ok", "model": served.name, **engine.active,
+        return JSONResponse({"status": "ok", "model": shown, **engine.active,
                              "store_writes_pending": engine.store_writes_pending})  # fmt: skip
 
     async def metrics_text(http: HttpRequest) -> Response:

@@ -178,7 +178,7 @@ def _same(value: Any, neutral: Any) -> bool:
     return value == neutral
 
 
-def _common(body: dict[str, Any], allowed: set[str], model: str, limits: Limits, max_name: str,
+def _common(body: dict[str, Any], allowed: set[str], model: str | tuple[str, ...], limits: Limits, max_name: str,
             least_tokens: int = 1, implemented: tuple[str, ...] = ()) -> Params:  # fmt: skip
     unknown = sorted(set(body) - allowed)
     if unknown:
@@ -188,9 +188,10 @@ def _common(body: dict[str, Any], allowed: set[str], model: str, limits: Limits,
             shown = " or ".join(json.dumps(v) for v in neutral)
             raise ApiError(400, f"{name}={body[name]!r} is not supported by this server (only {shown})",
                            param=name)  # fmt: skip
+    names = (model,) if isinstance(model, str) else model  # the ids the served model answers to, shown first
     given = body.get("model")
-    if given is not None and given != model:
-        raise ApiError(404, f"the model {given!r} does not exist; this server serves {model!r}", param="model",
+    if given is not None and given not in names:
+        raise ApiError(404, f"the model {given!r} does not exist; this server serves {names[0]!r}", param="model",
                        code="model_not_found")  # fmt: skip
     maximum = body.get(max_name, body.get("max_tokens"))
     max_tokens = (limits.default_max_tokens if maximum is None
@@ -275,7 +276,7 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
-def completion_params(body: dict[str, Any], model: str, limits: Limits) -> Params:
+def completion_params(body: dict[str, Any], model: str | tuple[str, ...], limits: Limits) -> Params:
     """A completion's request checked. `echo` (a completion field: chat's stays off) may ask for no
     new token (`max_tokens: 0`), the prompt's log probabilities alone, as evaluation harnesses
     score a text."""
@@ -309,7 +310,8 @@ def _token_ids(value: Any) -> bool:
         isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
-def chat_params(body: dict[str, Any], model: str, limits: Limits) -> Params:
+def chat_params(body: dict[str, Any], model: str | tuple[str, ...], limits: Limits) -> Params:
+    """A chat's request checked (`model`: the id, or ids, a request may name)."""
     params = _common(body, CHAT_FIELDS, model, limits, "max_completion_tokens", implemented=TOOL_FIELDS)
     params.tools = check_tools(body)
     params.forced_tool = forced_tool(body, params.tools)
