@@ -145,7 +145,8 @@ def byte_level_bpe(corpus: list[str], vocab_size: int, special: list[str]) -> An
 def tiny_model_dir(path: Path, kind: str = "llama") -> Path:
     """A tiny random transformers model (`kind`: "llama"; "gemma3": sliding-window and full
     attention; "lfm2": short convolutions and attention; "jamba": Mamba1 mixers and attention;
-    "mistral3" and "qwen2_5_vl": image-text-to-text checkpoints, a tiny vision tower included) and
+    "mistral3" and "qwen2_5_vl": image-text-to-text checkpoints, a tiny vision tower included; "gpt2":
+    64 learned positions) and
     a byte-level BPE tokenizer that adds
     a BOS, with a chat template, saved as a local transformers model directory (what `--model DIR`
     loads)."""
@@ -188,6 +189,10 @@ def tiny_model_dir(path: Path, kind: str = "llama") -> Path:
                                                video_token_id=298, vision_start_token_id=297, eos_token_id=2,
                                                bos_token_id=1)  # fmt: skip
         transformers.Qwen2_5_VLForConditionalGeneration(config).save_pretrained(path)
+    elif kind == "gpt2":  # learned positions: 64 of them, and no computing past them
+        config = transformers.GPT2Config(vocab_size=300, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                                         bos_token_id=1, eos_token_id=2)  # fmt: skip
+        transformers.GPT2LMHeadModel(config).save_pretrained(path)
     elif kind == "gemma3":
         config = transformers.Gemma3TextConfig(**common, num_hidden_layers=3, head_dim=8, sliding_window=6,
                                                layer_types=["sliding_attention", "full_attention",

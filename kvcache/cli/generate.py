@@ -137,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
     sampling = settings["temperature"] > 0
     drafter = load_drafter(args, served)
     ids = _encode(served, text, args.chat)
+    args.max_new_tokens = _within_context(served, len(ids), args.max_new_tokens)
     built = _prefill(args, served, ids, store, loaded)
     if args.max_new_tokens == 0:
         return 0
@@ -162,6 +163,21 @@ def run(args: argparse.Namespace) -> int:
     print(f"generated {new} tokens in {elapsed:.2f} s ({new / max(elapsed, 1e-9):.1f} tokens/s{speculated})",
           file=sys.stderr)  # fmt: skip
     return 0
+
+
+def _within_context(served: Any, prompt: int, new: int) -> int:
+    """The new tokens the model's context leaves room for after a prompt of `prompt` tokens (at
+    most `new`, with a line on stderr when fewer); a `GenerationError` when the prompt alone fills it."""
+    if served.context is None:
+        return new
+    length, field = served.context
+    if prompt > length or (prompt == length and new > 0):
+        raise GenerationError(f"the prompt has {prompt} tokens: {served.name} takes at most {length} positions "
+                              f"(its config's {field}), the new tokens included")  # fmt: skip
+    if prompt + new > length:
+        print(f"kvcache generate: --max-new-tokens {new} cut to {length - prompt}: {served.name} takes at most "
+              f"{length} positions (its config's {field})", file=sys.stderr)  # fmt: skip
+    return min(new, length - prompt)
 
 
 def _encode(served: Any, text: str, chat: bool) -> list[int]:

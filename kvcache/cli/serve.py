@@ -52,6 +52,9 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--max-step-tokens", type=int, default=None,
                         help="tokens one engine step computes at most: every running row's decode token plus "
                         "prefill blocks of waiting prompts (default 256)")
+    parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                        help="the most tokens a prompt and its answer hold together (default: the context "
+                        "the model's config names, which is also the most taken)")
     parser.add_argument("--max-prompt-tokens", type=int, default=8192, help="longest prompt taken (default 8192)")
     parser.add_argument("--max-tokens", type=int, default=4096, help="largest max_tokens taken (default 4096)")
     parser.add_argument("--default-max-tokens", type=int, default=128,
@@ -176,6 +179,17 @@ def model_names(args: argparse.Namespace, name: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys((name, *given)))
 
 
+def context_length(args: argparse.Namespace, served: Any) -> int | None:
+    """The most tokens a prompt and its answer may hold together: `--max-model-len`, at most the
+    context the model's config names (vLLM's rule), which is the default (None: no limit)."""
+    if args.max_model_len is None:
+        return served.context[0] if served.context else None
+    if served.context and args.max_model_len > served.context[0]:
+        raise GenerationError(f"--max-model-len {args.max_model_len}: {served.name} takes at most "
+                              f"{served.context[0]} positions (its config's {served.context[1]})")  # fmt: skip
+    return args.max_model_len
+
+
 def build_engine(args: argparse.Namespace) -> tuple[Any, Any]:
     """The served model and its engine (with its prefix store and drafters) as the flags say, `args`
     checked by `run`: what the engine process builds, or `run` itself with `--engine thread`."""
@@ -240,6 +254,8 @@ def run(args: argparse.Namespace) -> int:
     if args.max_step_tokens is None:
         args.max_step_tokens = MAX_STEP_TOKENS
 
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise GenerationError(f"--max-model-len must be >= 1, got {args.max_model_len}")
     for name in ("max_batch", "max_step_tokens", "max_prompt_tokens", "max_tokens", "default_max_tokens",
                  "max_body_bytes", "max_waiting"):  # fmt: skip
         if getattr(args, name) < 1:
@@ -273,9 +289,16 @@ def run(args: argparse.Namespace) -> int:
             raise
         _drop_weights(served)
         store_location = engine.store_location
+    try:
+        context = context_length(args, served)
+    except GenerationError:
+        engine.stop(5.0)
+        if args.engine == "thread":
+            engine.store.close()
+        raise
     limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                     max_tokens=args.max_tokens, default_max_tokens=min(args.default_max_tokens, args.max_tokens),
-                    max_waiting=args.max_waiting)  # fmt: skip
+                    max_waiting=args.max_waiting, context_length=context)  # fmt: skip
     names = model_names(args, served.name)
     app = create_app(served, engine, limits=limits, api_key=key, names=names)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=args.access_log,

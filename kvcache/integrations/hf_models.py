@@ -12,6 +12,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from ..cache import Cache
 from ..errors import CacheInputError
 from ..layers.recurrent import RecurrentLayer
+from ..models.context_length import context_length
 from ..models.modules import check_logits_to_keep, in_pieces
 from .hf_cache import TransformersCache, as_transformers_cache
 from .hf_config import cache_from_config
@@ -76,6 +77,8 @@ class TransformersCausalLM(_GenerationDefaults):
         #: other mixers whose code hands over the states asked for: token by token while switched on
         self._asked = frozenset() if self._per_token else asked_layers(model)
         self._asking = False
+        #: the most positions the model takes and its config field that says so (None: none named)
+        self.context_length = context_length(model.config)
 
     def set_per_token_recurrence(self, enabled: bool) -> None:
         """Run the recurrent mixers (Mamba2, gated delta net) one token at a time inside multi-token

@@ -68,6 +68,12 @@ class TextModel:
     def vocab_size(self) -> int:
         return int(self.model.vocab_size)
 
+    @property
+    def context(self) -> tuple[int, str] | None:
+        """`(positions, field)`: the most positions the model takes and the config field that says
+        so (`context_length`); None where nothing limits it (the bundled model: rotary, no limit)."""
+        return getattr(self.model, "context_length", None)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; `CacheInputError` for characters the model cannot read. A
         transformers tokenizer adds its special tokens (a BOS) as it does by default, so a

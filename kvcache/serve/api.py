@@ -52,6 +52,8 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
     model's name alone)."""
     names = tuple(names) or (served.name,)
     shown = names[0]
+    if limits is None or limits.context_length is None:  # the model's own context
+        limits = dataclasses.replace(limits or Limits(), context_length=(served.context or (None,))[0])
     # the served model's recommended sampling settings are what a request leaving one out gets
     limits = dataclasses.replace(limits or Limits(), sampling=dict(getattr(served, "sampling", None) or {}))
     metrics = engine.metrics
@@ -93,10 +95,28 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
                            "this server takes", param="prompt", code="context_length_exceeded")  # fmt: skip
         return ids
 
+    def room(prompt: list[int], params: Params, chat: bool) -> int:
+        """The new tokens a prompt's answer may have: `max_tokens`, or where the request left it
+        out the server's default cut to what the model's context leaves (a 400 where it leaves
+        less than asked, as OpenAI and vLLM answer it)."""
+        context, least = limits.context_length, 0 if params.echo else 1
+        if context is None:
+            return params.max_tokens
+        left = context - len(prompt)
+        if left >= (params.max_tokens if params.max_tokens_asked else least):
+            return min(params.max_tokens, left)
+        asked = f"{len(prompt) + params.max_tokens} tokens ({len(prompt)} in the prompt, {params.max_tokens} " \
+                "in the completion)" if params.max_tokens_asked else f"{len(prompt)} tokens in the prompt alone"
+        raise ApiError(400, f"this model's maximum context length is {context} tokens, but the request asks for "
+                       f"{asked}: send a shorter prompt or a smaller max_tokens",
+                       param="max_tokens" if params.max_tokens_asked else "messages" if chat else "prompt",
+                       code="context_length_exceeded")  # fmt: skip
+
     def submit(params: Params, chat: bool) -> list[Completion]:
         """One engine request per choice: `n` per prompt, choice j of a prompt seeded `seed + j`
         (so seeded samples differ and repeat), indexed prompt by prompt."""
         prompts = [encoded(p, chat) for p in params.prompts]
+        rooms = [room(p, params, chat) for p in prompts]
         if engine.active["waiting"] + len(prompts) * params.n > limits.max_waiting:
             raise ApiError(429, "the server is busy: too many requests are waiting, retry later")
         if any(token >= served.vocab_size for token, _ in params.logit_bias):
@@ -107,12 +127,12 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
                             params.min_p, params.logit_bias, params.presence_penalty, params.frequency_penalty,
                             params.repetition_penalty)  # fmt: skip
         choices = []
-        for i, (prompt, original) in enumerate(zip(prompts, params.prompts, strict=True)):
+        for i, (prompt, original, most) in enumerate(zip(prompts, params.prompts, rooms, strict=True)):
             for j in range(params.n):
                 seed = None if params.seed is None else (params.seed + j + 2**63) % 2**64 - 2**63
-                request = Request(prompt=prompt, max_tokens=params.max_tokens, sampling=sampling, seed=seed,
+                request = Request(prompt=prompt, max_tokens=most, sampling=sampling, seed=seed,
                                   logprobs=params.logprobs, grammar=params.grammar, stop_ids=params.stop_token_ids,
-                                  ignore_eos=params.ignore_eos, min_tokens=params.min_tokens,
+                                  ignore_eos=params.ignore_eos, min_tokens=min(params.min_tokens, most),
                                   prompt_logprobs=params.logprobs if params.echo else None)  # fmt: skip
                 echo = (original if isinstance(original, str) else served.decode(prompt)) if params.echo else None
                 choices.append(Completion(served, engine, request, params.stop, chat=chat, index=i * params.n + j,
@@ -203,7 +223,8 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
         finally:
             watcher.cancel()
 
-    card = {"id": shown, "object": "model", "created": 0, "owned_by": "kvcache"}
+    card = {"id": shown, "object": "model", "created": 0, "owned_by": "kvcache",
+            **({} if limits.context_length is None else {"max_model_len": limits.context_length})}  # (vLLM's field)
 
     async def models(http: HttpRequest) -> Response:
         return JSONResponse({"object": "list", "data": [card]})

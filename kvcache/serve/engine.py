@@ -90,6 +90,8 @@ class Engine:
             raise CacheInputError(f"the draft model's vocabulary ({int(draft_model.vocab_size)} tokens) is not the "
                                   f"served model's ({int(model.vocab_size)})")  # fmt: skip
         self.model, self.store, self.eos, self.draft_model = model, store, frozenset(eos), draft_model
+        context = getattr(model, "context_length", None)  # (positions, field): learned positions end there
+        self.last_position = None if context is None else context[0] - 1
         self.suffix_corpus = suffix_corpus
         self._grammar_tokens = None if grammar_tokenizer is None else TokenizerInBackground(grammar_tokenizer)
         #: how many draft tokens the batch feeds (drafters that say their match: not a draft model)
@@ -151,7 +153,8 @@ class Engine:
         with self._wake:
             self._stopping = True
             self._wake.notify()
-        self._thread.join(timeout)
+        if self._thread.ident is not None:  # (stopped before it started: nothing to wait for)
+            self._thread.join(timeout)
         self.store.stop_writer(timeout)
 
     def submit(self, request: Request) -> Request:
@@ -328,6 +331,8 @@ class Engine:
         device = self.device
         lengths = torch.tensor([r.session.length for r in self._rows], device=device)[:, None]
         positions = lengths + torch.arange(width, device=device)
+        if width > 1 and self.last_position is not None:  # a short row's filler past the model's last position
+            positions = positions.clamp_max(self.last_position)  # (fillers come after its tokens: never read)
         physical = self._cache.get_seq_length() + width  # type: ignore[union-attr]
         pads = torch.tensor(self._pads, device=device)[:, None]
         out = {"position_ids": positions}

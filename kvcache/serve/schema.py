@@ -68,6 +68,9 @@ class Limits:
     #: `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`: `models.sampling_defaults`);
     #: OpenAI's (and 1, no repetition penalty) otherwise
     sampling: dict[str, float | int] = field(default_factory=dict)
+    #: the most tokens a prompt and its answer hold together (`--max-model-len`, by default the
+    #: model's context: `models.context_length`); None: no limit
+    context_length: int | None = None
 
 
 @dataclass
@@ -97,6 +100,7 @@ class Params:
     closing: str = ""  # what a chat's answer held to a grammar ends with, unwritten (a forced call's closing tag)
     logprobs: int | None = None  # None: no log probabilities; k: the chosen token's and the top k
     n: int = 1
+    max_tokens_asked: bool = True  # False: max_tokens is the server's default (cut to the context's room)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, added to the logits
     echo: bool = False  # a completion's text (and log probabilities) start with its prompt's
     presence_penalty: float = 0.0  # subtracted from the logits of every token generated so far
@@ -222,7 +226,8 @@ def _common(body: dict[str, Any], allowed: set[str], model: str | tuple[str, ...
     if min_tokens > max_tokens:  # (vLLM answers it so)
         raise ApiError(400, f"min_tokens must be at most max_tokens ({max_tokens}), got {min_tokens}",
                        param="min_tokens")  # fmt: skip
-    return Params(prompts=[], max_tokens=max_tokens, n=n, logit_bias=_logit_bias(body.get("logit_bias")),
+    return Params(prompts=[], max_tokens=max_tokens, max_tokens_asked=maximum is not None, n=n,
+                  logit_bias=_logit_bias(body.get("logit_bias")),
                   temperature=0.0 if temperature < GREEDY_BELOW else temperature,
                   top_p=_number(body, "top_p", model_says.get("top_p", 1.0), 0.0, 1.0, low_open=True), top_k=top_k,
                   min_p=_number(body, "min_p", model_says.get("min_p", 0.0), 0.0, 1.0), seed=seed, stop=stops,
