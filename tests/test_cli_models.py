@@ -130,8 +130,22 @@ def _headless_dir(where: Path, llama: Path) -> Path:
     return where
 
 
+def _cacheless_dir(where: Path, llama: Path, kind: str) -> Path:
+    """A model whose forward takes no cache (RWKV keeps its state in `state`; GPT-1 keeps no past):
+    fed only its new tokens, each step would see nothing before them."""
+    if kind == "rwkv":
+        config = transformers.RwkvConfig(vocab_size=300, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32)
+        transformers.RwkvForCausalLM(config).save_pretrained(where)
+    else:
+        config = transformers.OpenAIGPTConfig(vocab_size=300, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+        transformers.OpenAIGPTLMHeadModel(config).save_pretrained(where)
+    transformers.AutoTokenizer.from_pretrained(llama).save_pretrained(where)
+    return where
+
+
 def test_flags_a_user_gets_wrong_are_one_line_errors(dirs, capsys, tmp_path: Path) -> None:
     seq2seq, headless = _seq2seq_dir(tmp_path / "t5"), _headless_dir(tmp_path / "headless", dirs["llama"])
+    rwkv, gpt1 = (_cacheless_dir(tmp_path / kind, dirs["llama"], kind) for kind in ("rwkv", "openai-gpt"))
     capsys.readouterr()  # (transformers' progress bars while they were saved)
     cases = [
         (["--prompt-lookup", "0"], "--prompt-lookup"),
@@ -141,6 +155,8 @@ def test_flags_a_user_gets_wrong_are_one_line_errors(dirs, capsys, tmp_path: Pat
         (["--model", str(tmp_path)], "not a transformers causal LM directory"),
         (["--model", str(seq2seq)], "T5Config is an encoder-decoder model"),
         (["--model", str(headless)], "parameters unset (lm_head.weight)"),
+        (["--model", str(rwkv)], "RwkvForCausalLM's forward takes no cache"),
+        (["--model", str(gpt1)], "OpenAIGPTLMHeadModel's forward takes no cache"),
         (["--device", "tpu"], "--device"),
     ]
     if not torch.cuda.is_available():

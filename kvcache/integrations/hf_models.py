@@ -64,6 +64,10 @@ class TransformersCausalLM(_GenerationDefaults):
         self.config = model.config
         self.vocab_size = _vocab_size(model)
         params = _forward_params(model)
+        if not params & {"cache", "past_key_values"}:  # RWKV, GPT-1, XLNet: the past kept its own way, or not at all
+            raise CacheInputError(f"{type(model).__name__}'s forward takes no cache (no `cache` or `past_key_values`):"
+                                  " kvcache holds a model's past through that argument, so it cannot run this model "
+                                  "(each step would see only the new tokens)")  # fmt: skip
         self._takes_position_ids = "position_ids" in params
         self._takes_logits_to_keep = "logits_to_keep" in params
         layers = self.new_cache().layers
