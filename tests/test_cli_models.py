@@ -132,10 +132,16 @@ def _headless_dir(where: Path, llama: Path) -> Path:
 
 def _cacheless_dir(where: Path, llama: Path, kind: str) -> Path:
     """A model whose forward takes no cache (RWKV keeps its state in `state`; GPT-1 keeps no past):
-    fed only its new tokens, each step would see nothing before them."""
+    fed only its new tokens, each step would see nothing before them; or one that keeps part of
+    its past on its modules (RecurrentGemma), which no cache can roll back or keep apart per row."""
     if kind == "rwkv":
         config = transformers.RwkvConfig(vocab_size=300, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32)
         transformers.RwkvForCausalLM(config).save_pretrained(where)
+    elif kind == "recurrent_gemma":  # takes a cache, but keeps its recurrent states on its modules
+        config = transformers.RecurrentGemmaConfig(vocab_size=300, hidden_size=32, intermediate_size=64,
+                                                   num_attention_heads=4, num_hidden_layers=3, lru_width=32,
+                                                   attention_window_size=8, head_dim=8)  # fmt: skip
+        transformers.RecurrentGemmaForCausalLM(config).save_pretrained(where)
     else:
         config = transformers.OpenAIGPTConfig(vocab_size=300, n_embd=32, n_layer=2, n_head=4, n_positions=64)
         transformers.OpenAIGPTLMHeadModel(config).save_pretrained(where)
@@ -145,7 +151,8 @@ def _cacheless_dir(where: Path, llama: Path, kind: str) -> Path:
 
 def test_flags_a_user_gets_wrong_are_one_line_errors(dirs, capsys, tmp_path: Path) -> None:
     seq2seq, headless = _seq2seq_dir(tmp_path / "t5"), _headless_dir(tmp_path / "headless", dirs["llama"])
-    rwkv, gpt1 = (_cacheless_dir(tmp_path / kind, dirs["llama"], kind) for kind in ("rwkv", "openai-gpt"))
+    rwkv, gpt1, griffin = (_cacheless_dir(tmp_path / kind, dirs["llama"], kind)
+                           for kind in ("rwkv", "openai-gpt", "recurrent_gemma"))  # fmt: skip
     capsys.readouterr()  # (transformers' progress bars while they were saved)
     cases = [
         (["--prompt-lookup", "0"], "--prompt-lookup"),
@@ -157,6 +164,7 @@ def test_flags_a_user_gets_wrong_are_one_line_errors(dirs, capsys, tmp_path: Pat
         (["--model", str(headless)], "parameters unset (lm_head.weight)"),
         (["--model", str(rwkv)], "RwkvForCausalLM's forward takes no cache"),
         (["--model", str(gpt1)], "OpenAIGPTLMHeadModel's forward takes no cache"),
+        (["--model", str(griffin)], "keep their states on the modules, not in the cache"),
         (["--device", "tpu"], "--device"),
     ]
     if not torch.cuda.is_available():

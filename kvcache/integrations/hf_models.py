@@ -18,6 +18,12 @@ from .hf_cache import TransformersCache, as_transformers_cache
 from .hf_config import cache_from_config
 from .hf_recurrence import MIXER_CLASSES, PerTokenRecurrence, asked_layers, asks_for_states, stepwise_layers
 
+#: Models whose past transformers keeps outside the cache it is given, by `model_type`: kvcache
+#: could neither roll that back nor keep requests apart, so they are refused.
+OWN_STATE = {"recurrent_gemma": "its recurrent blocks keep their states on the modules, not in the cache",
+             "xlstm": "its forward takes only its own xLSTMCache",
+             "minimax": "its forward takes only its own MiniMaxCache"}  # fmt: skip
+
 
 def _forward_params(model: PreTrainedModel) -> set[str]:
     return set(inspect.signature(model.forward).parameters)
@@ -63,6 +69,10 @@ class TransformersCausalLM(_GenerationDefaults):
         self.model = model
         self.config = model.config
         self.vocab_size = _vocab_size(model)
+        kind = getattr(model.config.get_text_config(decoder=True), "model_type", model.config.model_type)
+        if kind in OWN_STATE or model.config.model_type in OWN_STATE:
+            why = OWN_STATE.get(kind) or OWN_STATE[model.config.model_type]
+            raise CacheInputError(f"{type(model).__name__}: {why}, so kvcache cannot hold its past")
         params = _forward_params(model)
         if not params & {"cache", "past_key_values"}:  # RWKV, GPT-1, XLNet: the past kept its own way, or not at all
             raise CacheInputError(f"{type(model).__name__}'s forward takes no cache (no `cache` or `past_key_values`):"
