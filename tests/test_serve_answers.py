@@ -402,3 +402,19 @@ def test_presence_and_frequency_penalties_through_the_official_client(server, re
         answer = httpx.post(server.url + "/v1/completions", timeout=30, headers={"content-type": "application/json"},
                             content=json.dumps({"prompt": "x", "frequency_penalty": bad}).encode())  # fmt: skip
         assert answer.status_code == 400 and "frequency_penalty" in answer.json()["error"]["message"], bad
+
+
+def test_log_probabilities_that_are_not_json_numbers_are_sent_as_the_floor() -> None:
+    """-inf (a token banned or ruled out) and NaN (logits a model computed as NaN) are not JSON
+    numbers: both objects send OpenAI's floor, -9999.0, where `json.dumps(..., allow_nan=False)`
+    would fail (Starlette's encoder refuses them: a 500)."""
+    from kvcache.serve.logprobs import TokenLogprobs, chat_logprobs, completion_logprobs
+
+    given = [TokenLogprobs(3, float("nan"), ((3, float("nan")), (4, float("-inf")))), TokenLogprobs(5, -0.5, ())]
+    chat = chat_logprobs(given, lambda ids: "x" * len(ids))
+    completion = completion_logprobs(given, lambda ids: "x" * len(ids))
+    for shaped in (chat, completion):
+        json.dumps(shaped, allow_nan=False)
+    assert [e["logprob"] for e in chat["content"]] == [-9999.0, -0.5]
+    assert [t["logprob"] for t in chat["content"][0]["top_logprobs"]] == [-9999.0, -9999.0]
+    assert completion["token_logprobs"] == [-9999.0, -0.5]

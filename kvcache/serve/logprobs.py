@@ -91,7 +91,9 @@ def score_prompts(engine: Any) -> None:
 
 
 def _logprob(value: float) -> float:
-    return max(value, -9999.0)  # a JSON number: -inf (a token the model rules out) is not one
+    """A JSON number: -inf (a token the model rules out) is not one, nor NaN (logits a model
+    computed as NaN, as transformers' eager attention does for left-padded rows in float64)."""
+    return value if value >= -9999.0 else -9999.0
 
 
 def chat_logprobs(given: Sequence[TokenLogprobs], decode: Callable[[list[int]], str]) -> dict[str, Any]:
