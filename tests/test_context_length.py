@@ -112,6 +112,13 @@ def test_the_server_refuses_what_the_context_cannot_hold_and_cuts_its_default(gp
                       json={"messages": [{"role": "user", "content": WORDS * 9}]})  # fmt: skip
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
     assert c.models.retrieve("tiny-gpt2").model_extra["max_model_len"] == 64
+    body = {"prompt": prompt, "return_token_strs": True}
+    counted = httpx.post(f"{served.url}/tokenize", json=body, timeout=30).json()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gpt2)
+    assert counted["tokens"] == ids and counted["max_model_len"] == 64  # the BOS included, as completions add it
+    assert counted["token_strs"] == tokenizer.convert_ids_to_tokens(ids)
+    bare = httpx.post(f"{served.url}/tokenize", json={"prompt": prompt, "add_special_tokens": False}, timeout=30)
+    assert bare.json()["tokens"] == ids[1:]
 
 
 def test_rows_at_the_end_of_the_context_beside_drafting_rows_get_their_own_answers(gpt2, served) -> None:

@@ -39,6 +39,7 @@ from .pythonic_calls import CLOSE as PYTHONIC_CLOSE
 from .reasoning import closing, opened_in, reasoning_tags
 from .schema import ApiError, Limits, Params, chat_params, completion_params, parse_json
 from .served import ServedModel
+from .tokenize import detokenize_ids, split_tokenize_body, tokenized
 from .tools import CLOSE, call_opening, call_style, tools_refused
 
 #: What a call held to its schema leaves for the template to write, by call style (read as written)
@@ -82,10 +83,13 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
 
         return run
 
-    def encoded(prompt: str | list[int], chat: bool) -> list[int]:
-        """A prompt's token ids, checked (nothing is submitted before every prompt passes)."""
+    def encoded(prompt: str | list[int], chat: bool, special: bool | None = None) -> list[int]:
+        """A prompt's token ids, checked (nothing is submitted before every prompt passes); the
+        tokenizer's special tokens added to a completion's text, not to a chat's (`special` says
+        otherwise)."""
         try:
-            ids = prompt if isinstance(prompt, list) else served.encode(prompt, add_special_tokens=not chat)
+            special = not chat if special is None else special
+            ids = prompt if isinstance(prompt, list) else served.encode(prompt, add_special_tokens=special)
         except KVCacheError as err:
             raise ApiError(400, f"the prompt cannot be encoded: {err}", param="prompt") from None
         if any(not 0 <= t < served.vocab_size for t in ids):
@@ -236,6 +240,20 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
                            param="model", code="model_not_found")  # fmt: skip
         return JSONResponse(card)
 
+    async def tokenize(http: HttpRequest) -> Response:
+        body, flags = split_tokenize_body(await read(http))
+        chat = "messages" in body
+        params = checked(body, chat)
+        ids = encoded(params.prompts[0], chat, flags["add_special_tokens"])
+        return JSONResponse(tokenized(served, ids, limits.context_length, bool(flags["return_token_strs"])))
+
+    async def detokenize(http: HttpRequest) -> Response:
+        body = await read(http)
+        if body.get("model") is not None and body["model"] not in names:
+            raise ApiError(404, f"the model {body['model']!r} does not exist; this server serves {shown!r}",
+                           param="model", code="model_not_found")  # fmt: skip
+        return JSONResponse({"prompt": served.decode(detokenize_ids(body, served.vocab_size))})
+
     async def health(http: HttpRequest) -> Response:
         return JSONResponse({"status": "ok", "model": shown, **engine.active,
                              "store_writes_pending": engine.store_writes_pending})  # fmt: skip
@@ -254,6 +272,8 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
         Route("/v1/responses", endpoint("responses", response, auth=True), methods=["POST"]),
         Route("/v1/models", endpoint("models", models, auth=True), methods=["GET"]),
         Route("/v1/models/{name:path}", endpoint("models", model, auth=True), methods=["GET"]),
+        Route("/tokenize", endpoint("tokenize", tokenize, auth=True), methods=["POST"]),
+        Route("/detokenize", endpoint("detokenize", detokenize, auth=True), methods=["POST"]),
         Route("/health", endpoint("health", health, auth=False), methods=["GET"]),
         Route("/metrics", endpoint("metrics", metrics_text, auth=False), methods=["GET"]),
     ]

@@ -1,0 +1,63 @@
+"""vLLM's `/tokenize` and `/detokenize` on `kvcache serve`: the ids a completion or a chat request
+would feed the model (checked against the token counts the answers' `usage` reports), their text
+back, and 4xx errors for what they do not take."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+from serve_kit import module_server
+
+from kvcache.serve.served import bundled
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from module_server(tmp_path_factory)
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, timeout=30)
+
+
+def test_tokenize_gives_the_ids_a_request_feeds_and_detokenize_their_text(server) -> None:
+    model = bundled()
+    prompt = "The value of the list"
+    answer = post(server, "/tokenize", {"model": "kvcache-default", "prompt": prompt, "return_token_strs": True})
+    assert answer.status_code == 200, answer.text
+    shaped = answer.json()
+    assert shaped["tokens"] == model.encode(prompt) and shaped["count"] == len(prompt)  # one character a token
+    assert shaped["token_strs"] == list(prompt) and shaped["max_model_len"] is None  # (no context limit)
+    completion = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "temperature": 0}).json()
+    assert completion["usage"]["prompt_tokens"] == shaped["count"]
+    messages = [{"role": "system", "content": "You answer."}, {"role": "user", "content": "What is a list?"}]
+    chat = post(server, "/tokenize", {"messages": messages}).json()
+    assert chat["tokens"] == model.encode(model.chat_prompt(messages)) and chat["token_strs"] is None
+    answered = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1, "temperature": 0}).json()
+    assert answered["usage"]["prompt_tokens"] == chat["count"]
+    back = post(server, "/detokenize", {"model": "kvcache-default", "tokens": chat["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": model.chat_prompt(messages)}
+
+
+@pytest.mark.parametrize(("path", "body", "status", "words"), [
+    ("/tokenize", {"prompt": "x", "add_generation_prompt": False, "messages": [{"role": "user", "content": "x"}]},
+     400, "add_generation_prompt=false"),
+    ("/tokenize", {"prompt": ["a", "b"]}, 400, "one string"),
+    ("/tokenize", {"prompt": "x", "return_token_strs": "yes"}, 400, "return_token_strs must be a boolean"),
+    ("/tokenize", {"prompt": "x", "frobnicate": 1}, 400, "unrecognized"),
+    ("/tokenize", {"prompt": "x", "model": "other"}, 404, "does not exist"),
+    ("/tokenize", {"prompt": "snow \u2603"}, 400, "cannot be encoded"),
+    ("/detokenize", {"tokens": [1, 10**6]}, 400, "tokens must be in [0, 103)"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens must be a list"),
+    ("/detokenize", {"tokens": [1], "prompt": "x"}, 400, "unrecognized"),
+    ("/detokenize", {"tokens": [1], "model": "other"}, 404, "does not exist"),
+])  # fmt: skip
+def test_what_they_do_not_take_is_an_openai_error(server, path: str, body: dict, status: int, words: str) -> None:
+    answer = post(server, path, body)
+    assert answer.status_code == status and words in answer.json()["error"]["message"], answer.text
