@@ -186,6 +186,27 @@ def test_a_model_answers_to_the_ids_vllm_gives_it_or_to_the_names_it_is_told(tmp
             assert process.terminate() == 0
 
 
+def test_a_prefilled_answer_is_continued_as_transformers_continues_it(tmp_path: Path) -> None:
+    """`continue_final_message` on a model directory: the template's own rendering with
+    transformers' `continue_final_message=True` (the prompt ends inside the assistant's message),
+    and the answer is transformers' greedy continuation of those ids."""
+    where = tiny_model_dir(tmp_path / "tiny-llama")
+    alone, tokenizer = reference(where)
+    messages = [{"role": "user", "content": "The value"}, {"role": "assistant", "content": "The cache is"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert text.endswith("<|assistant|>The cache is")
+    want = alone(text, 12, special=False)
+    process = ServeProcess("--model", str(where), "--dtype", "float64", "--threads", "1").start(tmp_path / "log")
+    try:
+        answer = client(process).chat.completions.create(
+            model="tiny-llama", messages=messages, max_tokens=12, temperature=0,
+            extra_body={"add_generation_prompt": False, "continue_final_message": True})  # fmt: skip
+        assert answer.choices[0].message.content == want
+        assert answer.usage.prompt_tokens == len(tokenizer(text, add_special_tokens=False).input_ids)
+    finally:
+        assert process.terminate() == 0
+
+
 def test_two_servers_on_a_redis_cluster_share_a_chat(tmp_path: Path, redis_cluster) -> None:
     """Scale-out: two servers on one 3-node Redis Cluster; a chat whose turns alternate between
     them reuses the previous turns on either, and every answer is what one server alone gives."""

@@ -136,10 +136,17 @@ class TextModel:
         return f"transformers-{root.hex()[:32]}"
 
     def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    options: dict[str, Any] | None = None) -> str:  # fmt: skip
+                    options: dict[str, Any] | None = None, *, generation_prompt: bool = True,
+                    continue_final: bool = False) -> str:  # fmt: skip
         """The prompt text of a conversation (see the module docstring for the bundled template; a
         transformers tokenizer's own chat template otherwise, given the function `tools` the model
-        may call and the template's own variables `options`, e.g. Qwen 3's `enable_thinking`)."""
+        may call and the template's own variables `options`, e.g. Qwen 3's `enable_thinking`).
+        It ends with the start of the assistant's answer (`generation_prompt`), or inside the last
+        message, an assistant's, which the answer then continues (`continue_final`: a prefilled
+        answer, transformers' `continue_final_message`)."""
+        if continue_final and (generation_prompt or not messages or messages[-1]["role"] != "assistant"):
+            raise CacheInputError("continue_final_message needs the last message to be the assistant's, and "
+                                  "add_generation_prompt false")  # fmt: skip
         if self.kind == "bundled":
             if options:
                 raise CacheInputError(f"{self.name}'s prompt format has no variables: chat_template_kwargs must be "
@@ -148,16 +155,21 @@ class TextModel:
             for message in messages:
                 role, content = message["role"], message["content"]
                 lines.append(f"Assistant:{content}\n" if role == "assistant" else f"{role.capitalize()}: {content}\n")
-            return "".join(lines) + "Assistant:"
+            if continue_final:
+                lines[-1] = lines[-1][:-1]  # (the assistant's line left open)
+            return "".join(lines) + ("Assistant:" if generation_prompt else "")
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise CacheInputError(f"the tokenizer of {self.name} has no chat template: use /v1/completions")
         from jinja2 import TemplateError  # (transformers' templates run on jinja2)
 
         extra = {**(options or {}), **({} if tools is None else {"tools": tools})}
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                                      continue_final_message=continue_final, **extra)  # fmt: skip
         except TemplateError as exc:  # the template refused the conversation (`raise_exception`): the client's to fix
             raise CacheInputError(f"the chat template of {self.name} refused the conversation: {exc}") from None
+        except ValueError as exc:  # (continue_final: the template does not write the last message as it was sent)
+            raise CacheInputError(f"the chat template of {self.name} cannot continue the last message: {exc}") from None
 
 
 #: What `kvcache.serve` called it.

@@ -171,7 +171,9 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
                 if refused:
                     raise ApiError(400, refused, param="tools" if params.tools is not None else "messages")
             try:
-                prompt = served.chat_prompt(messages, params.tools, params.template_options)
+                prompt = served.chat_prompt(messages, params.tools, params.template_options,
+                                            generation_prompt=params.generation_prompt,
+                                            continue_final=params.continue_final)  # fmt: skip
             except KVCacheError as err:
                 raise ApiError(400, str(err), param="chat_template_kwargs" if served.kind == "bundled" else "messages"
                                ) from None  # fmt: skip

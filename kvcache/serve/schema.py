@@ -49,7 +49,8 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed
           "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
           "include_stop_str_in_output"}  # fmt: skip
 COMPLETION_FIELDS = COMMON | {"prompt"} | set(NEUTRAL) | IGNORED
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs"} | set(NEUTRAL) | IGNORED
+CHAT_FIELDS = (COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs", "add_generation_prompt",
+                         "continue_final_message"} | set(NEUTRAL) | IGNORED)  # fmt: skip
 #: `apply_chat_template`'s own parameters, which `chat_template_kwargs` may not set.
 TEMPLATE_PARAMETERS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
                        "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
@@ -91,6 +92,8 @@ class Params:
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None  # a chat's function tools, as its template takes them
     template_options: dict[str, Any] = field(default_factory=dict)  # a chat's `chat_template_kwargs`
+    generation_prompt: bool = True  # a chat's prompt ends with the start of the answer (vLLM's `add_generation_prompt`)
+    continue_final: bool = False  # ... or inside its last message, an assistant's (`continue_final_message`)
     reasoning: bool | None = None  # a chat's answer read for reasoning (True: it starts thinking); None: not
     reasoning_tags: tuple[str, str] | None = None  # the tags it is read with (`reasoning.reasoning_tags`)
     call_style: str | None = None  # how a chat offered tools writes calls (`tools.call_style`); None: no tools
@@ -240,11 +243,11 @@ def _common(body: dict[str, Any], allowed: set[str], model: str | tuple[str, ...
                   min_tokens=min_tokens, include_stop=_flag(body, "include_stop_str_in_output"))  # fmt: skip
 
 
-def _flag(body: dict[str, Any], name: str) -> bool:
-    """A boolean field (null or absent: false)."""
+def _flag(body: dict[str, Any], name: str, default: bool = False) -> bool:
+    """A boolean field (null or absent: `default`)."""
     value = body.get(name)
     if value is None:
-        return False
+        return default
     if not isinstance(value, bool):
         raise ApiError(400, f"{name} must be a boolean, got {value!r}", param=name)
     return value
@@ -344,6 +347,14 @@ def chat_params(body: dict[str, Any], model: str | tuple[str, ...], limits: Limi
         raise ApiError(400, f"chat_template_kwargs may not set {', '.join(taken)} (a request field or the "
                        "server's choice)", param="chat_template_kwargs")  # fmt: skip
     params.template_options = options
+    params.generation_prompt = _flag(body, "add_generation_prompt", True)
+    params.continue_final = _flag(body, "continue_final_message")
+    if params.continue_final and params.generation_prompt:  # (vLLM's rule)
+        raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be true (send "
+                       "add_generation_prompt: false to continue the last message)", param="continue_final_message")
+    if params.continue_final and params.messages[-1]["role"] != "assistant":
+        raise ApiError(400, "continue_final_message needs the last message to be the assistant's",
+                       param="continue_final_message")  # fmt: skip
     return params
 
 

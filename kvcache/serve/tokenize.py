@@ -10,15 +10,15 @@ from typing import Any
 from .schema import ApiError
 
 #: The fields `/tokenize` takes besides a completion's or a chat's own.
-TOKENIZE_FIELDS = ("add_special_tokens", "return_token_strs", "add_generation_prompt")
+TOKENIZE_FIELDS = ("add_special_tokens", "return_token_strs")
 #: The most token ids `/detokenize` takes.
 MAX_DETOKENIZE = 1 << 20
 
 
 def split_tokenize_body(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, bool | None]]:
-    """`body` less `TOKENIZE_FIELDS` (what is left is checked as a completion's or a chat's), and
-    those flags (None: left out). A chat is tokenized with its generation prompt, as the chat
-    endpoint renders it: `add_generation_prompt: false` is refused."""
+    """`body` less `TOKENIZE_FIELDS` (what is left is checked as a completion's or a chat's: a
+    chat's `add_generation_prompt` and `continue_final_message` among them), and those flags
+    (None: left out)."""
     rest = {name: value for name, value in body.items() if name not in TOKENIZE_FIELDS}
     flags: dict[str, bool | None] = {}
     for name in TOKENIZE_FIELDS:
@@ -26,9 +26,6 @@ def split_tokenize_body(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str,
         if value is not None and not isinstance(value, bool):
             raise ApiError(400, f"{name} must be a boolean, got {value!r}", param=name)
         flags[name] = value
-    if flags["add_generation_prompt"] is False:
-        raise ApiError(400, "add_generation_prompt=false is not supported: a chat is tokenized as the chat endpoint "
-                       "renders it, ready for the answer", param="add_generation_prompt")  # fmt: skip
     if "messages" not in rest and isinstance(rest.get("prompt"), list) and not all(
             isinstance(t, int) and not isinstance(t, bool) for t in rest["prompt"]):  # fmt: skip
         raise ApiError(400, "prompt must be one string (or one list of token ids) to tokenize", param="prompt")

@@ -1,8 +1,11 @@
-"""vLLM's `/tokenize` and `/detokenize` on `kvcache serve`: the ids a completion or a chat request
-would feed the model (checked against the token counts the answers' `usage` reports), their text
-back, and 4xx errors for what they do not take."""
+"""vLLM's extras on `kvcache serve`: `/tokenize` and `/detokenize` (the ids a completion or a chat
+request would feed the model, checked against the token counts the answers' `usage` reports, and
+their text back), a chat's `continue_final_message` (a prefilled answer, continued as the same
+text sent as a completion is), and 4xx errors for what they do not take."""
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import pytest
@@ -46,8 +49,12 @@ def test_tokenize_gives_the_ids_a_request_feeds_and_detokenize_their_text(server
 
 
 @pytest.mark.parametrize(("path", "body", "status", "words"), [
-    ("/tokenize", {"prompt": "x", "add_generation_prompt": False, "messages": [{"role": "user", "content": "x"}]},
-     400, "add_generation_prompt=false"),
+    ("/tokenize", {"add_generation_prompt": False, "continue_final_message": True,
+                   "messages": [{"role": "user", "content": "x"}]}, 400, "the last message to be the assistant's"),
+    ("/v1/chat/completions", {"continue_final_message": True, "messages": [{"role": "assistant", "content": "x"}]},
+     400, "cannot both be true"),
+    ("/v1/chat/completions", {"add_generation_prompt": "no", "messages": [{"role": "user", "content": "x"}]},
+     400, "add_generation_prompt must be a boolean"),
     ("/tokenize", {"prompt": ["a", "b"]}, 400, "one string"),
     ("/tokenize", {"prompt": "x", "return_token_strs": "yes"}, 400, "return_token_strs must be a boolean"),
     ("/tokenize", {"prompt": "x", "frobnicate": 1}, 400, "unrecognized"),
@@ -61,3 +68,27 @@ def test_tokenize_gives_the_ids_a_request_feeds_and_detokenize_their_text(server
 def test_what_they_do_not_take_is_an_openai_error(server, path: str, body: dict, status: int, words: str) -> None:
     answer = post(server, path, body)
     assert answer.status_code == status and words in answer.json()["error"]["message"], answer.text
+
+
+def test_a_prefilled_answer_is_continued_as_the_same_text_sent_as_a_completion(server) -> None:
+    """`continue_final_message` (with `add_generation_prompt: false`): the prompt ends inside the
+    assistant's last message, and the answer continues it, whole and streamed, as a completion of
+    that very text does; `/tokenize` counts the same ids."""
+    model = bundled()
+    messages = [{"role": "user", "content": "What does a list hold?"}, {"role": "assistant", "content": "A list holds"}]
+    text = model.chat_prompt(messages, generation_prompt=False, continue_final=True)
+    assert text.endswith("Assistant:A list holds")
+    extra = {"add_generation_prompt": False, "continue_final_message": True}
+    want = post(server, "/v1/completions", {"prompt": text, "max_tokens": 24, "temperature": 0}).json()
+    chat = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 24, "temperature": 0, **extra})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["message"]["content"] == want["choices"][0]["text"]
+    assert chat.json()["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"] == len(text)
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=30,
+                      json={"messages": messages, "max_tokens": 24, "temperature": 0, "stream": True, **extra}) as s:
+        pieces = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert "".join(p["choices"][0]["delta"].get("content") or "" for p in pieces) == want["choices"][0]["text"]
+    counted = post(server, "/tokenize", {"messages": messages, **extra}).json()
+    assert counted["tokens"] == model.encode(text)
+    plain = post(server, "/tokenize", {"messages": messages[:1], "add_generation_prompt": False}).json()
+    assert plain["tokens"] == model.encode("User: What does a list hold?\n")
