@@ -85,6 +85,41 @@ def test_an_image_text_checkpoint_runs_on_text(tmp_path: Path, capsys, kind: str
         assert printed == expected + "\n", (extra, printed, expected)
 
 
+TEMPLATE = ("{% for m in messages %}[{{ m.role | upper }}] {{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}[ASSISTANT]{% endif %}")
+
+
+def test_a_chat_template_of_ones_own_for_a_directory_without_one(dirs, capsys, tmp_path: Path) -> None:
+    """`--chat-template` (a file, or the template itself, as vLLM takes it) gives a directory
+    without a template one, and `--chat` then prints transformers' greedy `generate` on what that
+    template renders; a template that does not parse is a one-line error before anything loads."""
+    import shutil
+
+    bare = tmp_path / "no-template"
+    shutil.copytree(dirs["llama"], bare)
+    (bare / "chat_template.jinja").unlink()
+    code, out, err = cli(capsys, *greedy(bare, "--chat", prompt="Say the value"))
+    assert code == 2 and "has no chat template" in err
+    tokenizer = transformers.AutoTokenizer.from_pretrained(bare)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Say the value"}], chat_template=TEMPLATE,
+                                         tokenize=False, add_generation_prompt=True)  # fmt: skip
+    assert text == "[USER] Say the value\n[ASSISTANT]"
+    model = transformers.AutoModelForCausalLM.from_pretrained(bare).eval()
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    out_ids = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False)
+    expected = tokenizer.decode(out_ids[0, ids.shape[1] :], skip_special_tokens=True)
+    (tmp_path / "template.jinja").write_text(TEMPLATE)
+    for given in (str(tmp_path / "template.jinja"), TEMPLATE):
+        code, out, err = cli(capsys, *greedy(bare, "--chat", "--chat-template", given, prompt="Say the value"))
+        assert code == 0 and out == expected + "\n", err
+    for given, words in (("{% for m in messages %}", "not a valid Jinja template"),
+                         (str(tmp_path / "missing.jinja"), "neither a file nor a Jinja template")):  # fmt: skip
+        code, out, err = cli(capsys, *greedy(bare, "--chat", "--chat-template", given))
+        assert (code, out) == (2, "") and err.count("\n") == 1 and words in err, err
+    code, out, err = cli(capsys, "hello", "--chat-template", TEMPLATE)
+    assert code == 2 and "--chat-template is for --model DIR" in err
+
+
 def transformers_tokens(where: Path, text: str) -> list[int]:
     return transformers.AutoTokenizer.from_pretrained(where)(text, add_special_tokens=False).input_ids
 

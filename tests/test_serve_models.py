@@ -207,6 +207,31 @@ def test_a_prefilled_answer_is_continued_as_transformers_continues_it(tmp_path: 
         assert process.terminate() == 0
 
 
+def test_a_chat_template_given_to_the_server_renders_its_chats(tmp_path: Path) -> None:
+    """`kvcache serve --chat-template FILE` on a directory without one: chats are rendered by it
+    (in the server process and the engine's alike), and answered as transformers' greedy `generate`
+    answers the rendered text; without the flag such a chat is a 400."""
+    where = tiny_model_dir(tmp_path / "tiny-llama")
+    (where / "chat_template.jinja").unlink()
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}[assistant]{% endif %}")  # fmt: skip
+    alone, _ = reference(where)
+    want = alone("[user] The value\n[assistant]", 10, special=False)
+    processes = [ServeProcess("--model", str(where), "--dtype", "float64", "--threads", "1", *extra).launch(
+        tmp_path / f"{len(extra)}.log") for extra in ((), ("--chat-template", str(template)))]  # fmt: skip
+    try:
+        for process in processes:
+            process.wait_started()
+        with pytest.raises(openai.BadRequestError, match="no chat template"):
+            chat(client(processes[0]), "tiny-llama", [{"role": "user", "content": "The value"}], 10)
+        answer = chat(client(processes[1]), "tiny-llama", [{"role": "user", "content": "The value"}], 10)
+        assert answer.choices[0].message.content == want
+    finally:
+        for process in processes:
+            assert process.terminate() == 0
+
+
 def test_two_servers_on_a_redis_cluster_share_a_chat(tmp_path: Path, redis_cluster) -> None:
     """Scale-out: two servers on one 3-node Redis Cluster; a chat whose turns alternate between
     them reuses the previous turns on either, and every answer is what one server alone gives."""

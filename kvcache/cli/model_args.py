@@ -6,6 +6,7 @@ speculation (`--prompt-lookup K`, `--suffix-draft K` or `--draft-model DIR`)."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from ..devices import DEVICE_CHOICES
@@ -60,6 +61,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, draft_model: bool, s
                         help="auto: sampling settings a request or flag leaves out (temperature, top_p, top_k, "
                         "min_p) are the ones --model DIR's generation_config.json recommends, as transformers "
                         "and vLLM take them; none: ignore that file (default auto)")
+    parser.add_argument("--chat-template", metavar="FILE|TEMPLATE",
+                        help="the Jinja chat template --model DIR's tokenizer uses instead of its own (a file, or "
+                        "the template itself, as vLLM takes it): for a directory that has none, or to replace it")
     parser.add_argument("--prompt-lookup", type=int, default=None, metavar="K",
                         help="speculative decoding that drafts up to K tokens per step from the text so far "
                         "(no draft model); the output is the same, sampled too (seed for seed)")
@@ -81,7 +85,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, draft_model: bool, s
 
 def check_model_arguments(args: argparse.Namespace) -> None:
     """The speculation flags' values, before anything loads; `--speculative` becomes the flag it
-    names (`--prompt-lookup K` or `--suffix-draft K`), and is 0 after."""
+    names (`--prompt-lookup K` or `--suffix-draft K`), and is 0 after; `--chat-template` becomes
+    the template's text."""
+    if getattr(args, "chat_template", None) is not None:
+        args.chat_template = chat_template_text(args.chat_template, args.model)
     chosen = getattr(args, "speculative", None)
     if chosen == "suffix":
         args.suffix_draft = args.suffix_draft if args.suffix_draft is not None else DEFAULT_SUFFIX_TOKENS
@@ -111,6 +118,28 @@ def check_model_arguments(args: argparse.Namespace) -> None:
             raise GenerationError(f"--draft-tokens must be >= 1, got {args.draft_tokens}")
 
 
+def chat_template_text(given: str, model: str | None) -> str:
+    """`--chat-template`'s template: the file it names, else the text itself where it reads as a
+    Jinja template; checked to parse, so a bad one is a one-line error before anything loads."""
+    if not model:
+        raise GenerationError("--chat-template is for --model DIR (the bundled model's prompt format is fixed)")
+    path = Path(given)
+    try:
+        text = path.read_text(encoding="utf-8") if path.is_file() else given
+    except (OSError, UnicodeDecodeError) as exc:
+        raise GenerationError(f"--chat-template {given}: not read ({exc})") from None
+    if not path.is_file() and not ("{{" in text or "{%" in text):
+        raise GenerationError(f"--chat-template {given[:80]!r}: neither a file nor a Jinja template")
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise GenerationError(f"--chat-template: not a valid Jinja template (line {exc.lineno}: {exc.message})"
+                              ) from None  # fmt: skip
+    return text
+
+
 def load_model(args: argparse.Namespace, device: Any) -> Any:
     """The `TextModel` the flags name, on `device` (`kvcache.devices.resolve_device(args.device)`)."""
     import torch
@@ -123,6 +152,8 @@ def load_model(args: argparse.Namespace, device: Any) -> Any:
     served = from_directory(args.model, dtype, device)
     if getattr(args, "generation_config", "auto") == "none":
         served.sampling = {}
+    if getattr(args, "chat_template", None) is not None:  # (its text: `check_model_arguments`)
+        served.tokenizer.chat_template = args.chat_template
     return served
 
 
