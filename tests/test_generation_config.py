@@ -240,9 +240,7 @@ def test_generate_applies_the_repetition_penalty_to_each_row_alone(bundled) -> N
 
 def test_speculation_with_a_repetition_penalty_gives_plain_decoding_tokens(bundled) -> None:
     """Prompt lookup under a repetition penalty: greedy, the tokens of greedy `generate`; sampled,
-    the very tokens plain sampling draws from the same seed (and not those drawn without it). A
-    batch is refused before any work (batched speculation does not apply the penalty)."""
-    from kvcache.errors import GenerationError
+    the very tokens plain sampling draws from the same seed (and not those drawn without it)."""
     from kvcache.generation import PromptLookupDrafter, generate, speculative_generate
 
     model, tokenizer = bundled
@@ -256,6 +254,35 @@ def test_speculation_with_a_repetition_penalty_gives_plain_decoding_tokens(bundl
                                        repetition_penalty=2.0, draft_schedule="constant",
                                        generator=torch.Generator().manual_seed(4), **options)  # fmt: skip
         assert drafted.sequences[0].tolist() == plain(2.0) != plain(1.0), options
-    batch = ids.repeat(2, 1)
-    with pytest.raises(GenerationError, match="repetition_penalty: batched speculative decoding"):
-        speculative_generate(model, PromptLookupDrafter(), batch, max_new_tokens=4, repetition_penalty=1.5)
+
+
+def test_batched_speculation_penalizes_each_row_for_its_own_tokens(bundled) -> None:
+    """A left-padded batch under speculation (drafts of 4 that foresee each row's penalized answer,
+    every fifth token wrong, so rows keep different counts) with a repetition penalty: each row's
+    greedy tokens are what the cache-free recomputation penalized by hand gives for that prompt
+    alone (a draft's own earlier tokens count at each position it is verified at)."""
+    from kvcache.generation import speculative_generate
+    from kvcache.generation.drafters import Draft, Drafter
+
+    model, tokenizer = bundled
+    prompts = [tokenizer.encode(t) for t in ("The value of the value of the value of the ", "A list is a list ",
+                                             "class A: pass\nclass B: pass\nclass ")]  # fmt: skip
+    expected = [_penalized_reference(model, p, 16, 1.5) for p in prompts]
+
+    class Foreseeing(Drafter):
+        def propose(self, sequence, num_tokens, pick):
+            full = next(p + e for p, e in zip(prompts, expected, strict=True) if list(sequence[: len(p)]) == p)
+            n = len(sequence)
+            return Draft([(t + 1) % 100 if (n + i) % 5 == 0 else t for i, t in enumerate(full[n : n + num_tokens])])
+
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = speculative_generate(model, Foreseeing(), ids, attention_mask=mask, max_new_tokens=16, num_draft_tokens=4,
+                               repetition_penalty=1.5, draft_schedule="constant")  # fmt: skip
+    assert [row[:16] for row in out.new_tokens] == expected
+    accepted = [sum(row) for row in out.accepted_per_step]
+    assert min(accepted) > 0 and len(set(map(tuple, out.accepted_per_step))) > 1  # rows kept different counts
+    unpenalized = speculative_generate(model, Foreseeing(), ids, attention_mask=mask, max_new_tokens=16,
+                                       num_draft_tokens=4, draft_schedule="constant")  # fmt: skip
+    assert [row[:16] for row in unpenalized.new_tokens] != expected

@@ -139,7 +139,7 @@ def speculative_generate(
     with a drafter that does not sample (prompt lookup, suffix drafting: `Drafter.samples` False)
     exactly the tokens `generate` samples with the same generator state. `repetition_penalty` is
     `generate`'s, applied at every verified position (a draft's own earlier tokens count there);
-    single-row runs only.
+    each row of a batch is penalized for its own tokens alone (padding is none of them).
     `intermediate_states`: have a model with `set_return_intermediate_states` hand its per-token
     recurrent states to the cache during verification, so rejected tokens are cropped in place;
     None = whenever the target supports it; False = never (rollback re-feeds the accepted tokens).
@@ -202,9 +202,6 @@ def speculative_generate(
     verifier = Verifier(Sampling(do_sample, temperature, top_k, top_p, min_p, repetition_penalty=repetition_penalty),
                         generator)  # fmt: skip
     use_intermediate = intermediate_states_switch(target, intermediate_states)
-    if batched and verifier.sampling.penalized:
-        raise GenerationError("repetition_penalty: batched speculative decoding does not apply it; decode the rows "
-                              "one at a time, or with generate", param="repetition_penalty")  # fmt: skip
     if batched:
         return speculate_batch(target, drafter, verifier, input_ids, attention_mask, encoder_decoder,
                                num_draft_tokens, draft_schedule, max_new_tokens, eos, pad_token_id,

@@ -209,6 +209,7 @@ def _loop(
     )  # fmt: skip
     schedules = [DraftLength(num_draft_tokens, adaptive=adaptive) for _ in range(batch)]
     active = list(range(batch))  # original row numbers of the rows still in the batch
+    seen: list[torch.Tensor] | None = None  # each row's tokens (`[vocab]` bool), for a repetition penalty
     shadow_turn = 0  # the row the next step's shadow proposals start from (a timed gate)
     while active:
         started = time.perf_counter()
@@ -232,7 +233,15 @@ def _loop(
         drafted = time.perf_counter()
         logits = runner.feed([[s[-1], *d.tokens] for s, d in zip(seqs, drafts, strict=True)], [s[-1] for s in seqs])
         keep, finished = [], []
-        verdicts = verifier.verify_rows(drafts, logits)  # (greedy: reads the choices to the host)
+        if verifier.sampling.penalized and seen is None:  # (its own prompt's tokens: padding is none of them)
+            seen = [torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device) for _ in range(batch)]
+            for row, prompt in zip(seen, prompts, strict=True):
+                row[torch.tensor(prompt, device=logits.device)] = True
+        if seen is None:
+            verdicts = verifier.verify_rows(drafts, logits)  # (greedy: reads the choices to the host)
+        else:  # each row penalized for its own tokens, its draft's included at each position it is checked at
+            verdicts = [verifier.verify(d, logits[i, : len(d.tokens) + 1], None, seen[r])
+                        for i, (r, d) in enumerate(zip(active, drafts, strict=True))]  # fmt: skip
         if gate is not None:
             _record(gate, runner, drafts, offered, verdicts, time.perf_counter() - drafted, drafted - started)
         for i, (r, draft, (accepted, emitted)) in enumerate(zip(active, drafts, verdicts, strict=True)):
@@ -243,6 +252,8 @@ def _loop(
                 emitted = emitted[: hit + 1]
             sequences[r].extend(emitted)
             new_tokens[r].extend(emitted)
+            if seen is not None and emitted:
+                seen[r][torch.tensor(emitted, device=logits.device)] = True
             out.proposed_per_step[r].append(len(draft.tokens))
             out.accepted_per_step[r].append(accepted)
             out.emitted_per_step[r].append(len(emitted))
