@@ -64,8 +64,10 @@ def ban_early_ends(rows: list[Any], logits: torch.Tensor, eos: frozenset[int]) -
     token after j more), as vLLM's min-tokens processor masks them."""
     for b, row in enumerate(rows):
         short = row.min_tokens - len(row.tokens)
+        if short <= 0:  # (most rows: no set is built for them)
+            continue
         ends = row.stop_ids if row.ignore_eos else row.stop_ids | eos
-        if short <= 0 or not ends:
+        if not ends:
             continue
         ids = torch.tensor(sorted(ends), device=logits.device)
         if logits.dim() == 2:
