@@ -211,6 +211,32 @@ def test_flags_a_user_gets_wrong_are_one_line_errors(dirs, capsys, tmp_path: Pat
         assert lines[0].startswith("kvcache generate: error:") and words in lines[0], (args, err)
 
 
+def test_ignore_eos_decodes_past_the_end_token_to_the_limit(dirs, capsys, tmp_path: Path) -> None:
+    """A directory whose generation config ends answers at the token greedy decoding writes fourth:
+    the CLI stops there (plain and with prompt lookup); with `--ignore-eos` it prints the whole
+    greedy answer of `--max-new-tokens` tokens, as transformers' `generate` with no end token."""
+    import json
+    import shutil
+
+    ended = tmp_path / "ends-early"
+    shutil.copytree(dirs["llama"], ended)
+    model = transformers.AutoModelForCausalLM.from_pretrained(ended).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(ended)
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
+                         eos_token_id=None)  # fmt: skip
+    answer = out[0, ids.shape[1] :].tolist()
+    assert len(answer) == NEW and answer[3] not in answer[:3]
+    config = json.loads((ended / "generation_config.json").read_text())
+    (ended / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": answer[3]}))
+    for extra in ((), ("--prompt-lookup", "3")):
+        code, printed, err = cli(capsys, *greedy(ended, *extra))
+        assert code == 0 and printed == tokenizer.decode(answer[:3], skip_special_tokens=True) + "\n", err
+        code, printed, err = cli(capsys, *greedy(ended, "--ignore-eos", *extra))
+        assert code == 0 and printed == tokenizer.decode(answer, skip_special_tokens=True) + "\n", err
+        assert f"generated {NEW} tokens" in err
+
+
 def test_end_tokens_are_the_generation_configs(dirs, tmp_path: Path) -> None:
     """The tokens that end an answer (the CLI's and the server's) are the ones transformers'
     `generate` and `transformers serve` stop at: the generation config's. A directory whose

@@ -57,6 +57,8 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--repetition-penalty", type=float, default=None,
                         help=f"divide the logits of tokens already in the text by this, greedy or sampled, as "
                         f"transformers does (default 1 = off{model_says})")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="decode past the model's end tokens, to --max-new-tokens (fixed-length runs)")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"random seed (default {DEFAULT_SEED})")
     parser.add_argument("--defer-stop", choices=sorted(DEFER_CHOICES), default="auto",
                         help="read the stop decision one step late (auto: on asynchronous devices only)")
@@ -145,18 +147,20 @@ def run(args: argparse.Namespace) -> int:
     prompt = torch.tensor([ids], dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     eos = served.tokenizer.eos_token_id if served.kind == "bundled" else None  # None: the generation config's
+    if args.ignore_eos:  # decode past the end tokens, to --max-new-tokens
+        eos = []
     options = {"max_new_tokens": args.max_new_tokens, "eos_token_id": eos, "do_sample": sampling,
                **settings, "temperature": settings["temperature"] if sampling else 1.0,
                "generator": generator}  # fmt: skip
     started = time.perf_counter()
+    skip = [] if args.ignore_eos else served.eos or ([eos] if isinstance(eos, int) else [])  # (end tokens: unprinted)
     if drafter is None:
-        skip = served.eos or ([] if eos is None else [eos])
         out = generate(served.model, prompt, cache=built, streamer=TextStreamer(served, skip_token_ids=skip),
                        defer_stop=DEFER_CHOICES[args.defer_stop], **options)  # fmt: skip
     else:  # no streamer: the whole text at the end
         out = speculative_generate(served.model, drafter[0], prompt, cache=built, num_draft_tokens=drafter[1],
                                    **options)  # fmt: skip
-        print(served.decode(out.sequences[0, len(ids) :].tolist()), flush=True)
+        print(served.decode([t for t in out.sequences[0, len(ids) :].tolist() if t not in skip]), flush=True)
     elapsed = time.perf_counter() - started
     new = out.sequences.shape[1] - len(ids)
     speculated = "" if drafter is None else f", {sum(out.accepted_per_step)} drafted tokens accepted"
