@@ -57,6 +57,8 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--repetition-penalty", type=float, default=None,
                         help=f"divide the logits of tokens already in the text by this, greedy or sampled, as "
                         f"transformers does (default 1 = off{model_says})")
+    parser.add_argument("--min-new-tokens", type=int, default=0, metavar="N",
+                        help="no end token before N new tokens (default 0)")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="decode past the model's end tokens, to --max-new-tokens (fixed-length runs)")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"random seed (default {DEFAULT_SEED})")
@@ -119,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 0:
         raise GenerationError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.min_new_tokens < 0:
+        raise GenerationError(f"--min-new-tokens must be >= 0, got {args.min_new_tokens}")
     if args.threads is not None and args.threads < 1:
         raise GenerationError(f"--threads must be >= 1, got {args.threads}")
     if args.prefix_store and args.cache:
@@ -149,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
     eos = served.tokenizer.eos_token_id if served.kind == "bundled" else None  # None: the generation config's
     if args.ignore_eos:  # decode past the end tokens, to --max-new-tokens
         eos = []
-    options = {"max_new_tokens": args.max_new_tokens, "eos_token_id": eos, "do_sample": sampling,
+    options = {"max_new_tokens": args.max_new_tokens, "min_new_tokens": args.min_new_tokens, "eos_token_id": eos,
+               "do_sample": sampling,
                **settings, "temperature": settings["temperature"] if sampling else 1.0,
                "generator": generator}  # fmt: skip
     started = time.perf_counter()

@@ -47,6 +47,7 @@ def generate(
     attention_mask: torch.Tensor | None = None,
     cache: Cache | EncoderDecoderCache | None = None,
     max_new_tokens: int,
+    min_new_tokens: int = 0,
     eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
     do_sample: bool = False,
@@ -71,7 +72,9 @@ def generate(
     - A row stops at any of `eos_token_id`; it then produces `pad_token_id` (default: the first eos
       id) until every row has stopped or `max_new_tokens` is reached. Left as None, both come from
       the model when it has them (a wrapped transformers model: its `generation_config`, as in
-      transformers' `generate`); `eos_token_id=[]` means no end token at all.
+      transformers' `generate`); `eos_token_id=[]` means no end token at all. `min_new_tokens`
+      (transformers'): no end token is chosen before a row has that many new tokens (their logits
+      are -inf until then).
     - `do_sample` draws with `temperature`, `top_k` (0 = off), `top_p` (1 = off) and `min_p` (0 = off)
       from `generator`. `repetition_penalty` (1 = off; transformers' meaning), greedy or sampled,
       divides the positive logits and multiplies the negative ones of every token the row holds:
@@ -90,6 +93,7 @@ def generate(
     # ------------------------------------------------------------------ checks, before any work
     sampling = Sampling(do_sample, temperature, top_k, top_p, min_p, repetition_penalty=repetition_penalty)
     max_new_tokens = inputs.check_int("max_new_tokens", max_new_tokens, minimum=0)
+    min_new_tokens = inputs.check_int("min_new_tokens", min_new_tokens, minimum=0)
     encoder_decoder = inputs.check_model(model)
     vocab = model.vocab_size
     input_ids = inputs.check_ids("input_ids", input_ids, vocab)
@@ -154,8 +158,8 @@ def generate(
                 for layer in layers:
                     layer.activate_past_recording()
             return _run(model, cache, input_ids, attention_mask, encoder_decoder, tokens, token_mask, past, length,
-                        max_new_tokens, sampling, generator, counter, output_scores, defer_stop, eos, pad,
-                        recording_on_entry, made.append, session)  # fmt: skip
+                        (max_new_tokens, min_new_tokens), sampling, generator, counter, output_scores, defer_stop,
+                        eos, pad, recording_on_entry, made.append, session)  # fmt: skip
         except BaseException:
             stop = made[-1] if made else None
             if isinstance(stop, DeferredStopCheck) and not stop.ended and not (counter and counter.raised):
@@ -168,14 +172,16 @@ def generate(
 
 def _run(
     model: Any, cache: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, encoder_decoder: bool,
-    tokens: torch.Tensor, token_mask: torch.Tensor | None, past: int, length: int, max_new_tokens: int,
+    tokens: torch.Tensor, token_mask: torch.Tensor | None, past: int, length: int, new_tokens: tuple[int, int],
     sampling: Sampling, generator: torch.Generator | None, streamer: Streamer | None, output_scores: bool,
     defer_stop: bool | None, eos: list[int], pad: list[int], recording_on_entry: list[bool],
     remember: Callable[[StopCheck], None], session: Any = None,
 ) -> GenerationOutput:  # fmt: skip
     """The prefill and the decoding loop of `generate`, after its checks. `session`: the prefix
-    store's (it is told of every forward, to store the chunk boundaries decoding reaches)."""
+    store's (it is told of every forward, to store the chunk boundaries decoding reaches);
+    `new_tokens`: (the most, the fewest before an end token)."""
     batch, device = tokens.shape[0], tokens.device
+    max_new_tokens, min_new_tokens = new_tokens
     with torch.no_grad():
         forward = _forward_fn(model, cache, input_ids, attention_mask, encoder_decoder, session)
         positions = _positions(token_mask, past, length, max_new_tokens, batch, device)
@@ -198,7 +204,7 @@ def _run(
         seen = _held_tokens(tokens, token_mask, int(logits.shape[-1])) if sampling.penalized else None
         sequences, scores = _decode(
             forward, logits, stop, sampling, generator, eos, pad[0], full_mask, positions,
-            length, max_new_tokens, output_scores, seen,
+            length, max_new_tokens, output_scores, seen, min_new_tokens,
         )  # fmt: skip
     if streamer is not None:
         streamer.end()
@@ -220,6 +226,7 @@ def _decode(
     max_new_tokens: int,
     output_scores: bool,
     seen: torch.Tensor | None = None,
+    min_new_tokens: int = 0,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
     """The decoding loop: no host/device sync of its own (the stop check decides about that).
     `seen` `[batch, vocab]` (bool): the tokens each row holds, for a repetition penalty; updated
@@ -239,6 +246,8 @@ def _decode(
             mask = None if full_mask is None else full_mask[:, :at]
             logits = forward(next_tokens[:, None], mask, positions[:, at - 1 : at])[:, -1]
         stop.before_step()
+        if step < min_new_tokens and eos:  # (before the other processing, as transformers' processor)
+            logits = logits.index_fill(-1, eos_ids, float("-inf"))
         scores = sampling.scores(logits, None, seen) if need_scores else logits
         next_tokens = sampling.select(scores, generator)
         if seen is not None:

@@ -4,6 +4,7 @@ min-p, argmax."""
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -127,3 +128,12 @@ class Sampling:
             return scores.argmax(dim=-1)
         probs = scores.softmax(dim=-1)
         return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+def ban_ends(logits: torch.Tensor, made: int, min_new_tokens: int, ends: Collection[int]) -> None:
+    """In place: `logits` `[positions, vocab]`, position j choosing the new token after `made + j`
+    of them, get -inf for the tokens that would end the answer (`ends`) wherever it would come
+    before the `min_new_tokens`-th (transformers' `min_new_tokens`, vLLM's `min_tokens`)."""
+    short = min_new_tokens - made
+    if short > 0 and ends:
+        logits[:short, sorted(ends)] = float("-inf")

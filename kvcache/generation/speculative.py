@@ -112,6 +112,7 @@ def speculative_generate(
     *,
     num_draft_tokens: int = 4,
     max_new_tokens: int,
+    min_new_tokens: int = 0,
     eos_token_id: int | list[int] | None = None,
     attention_mask: torch.Tensor | None = None,
     do_sample: bool = False,
@@ -138,7 +139,8 @@ def speculative_generate(
     returns a sample of the target's own (temperature / top-k / top-p processed) distribution, and
     with a drafter that does not sample (prompt lookup, suffix drafting: `Drafter.samples` False)
     exactly the tokens `generate` samples with the same generator state. `repetition_penalty` is
-    `generate`'s, applied at every verified position (a draft's own earlier tokens count there);
+    `generate`'s, applied at every verified position (a draft's own earlier tokens count there), as
+    `min_new_tokens` is (no end token verified before that many new tokens);
     each row of a batch is penalized for its own tokens alone (padding is none of them).
     `intermediate_states`: have a model with `set_return_intermediate_states` hand its per-token
     recurrent states to the cache during verification, so rejected tokens are cropped in place;
@@ -178,6 +180,7 @@ def speculative_generate(
     batched = _is_batch(input_ids, attention_mask)
     check_int("num_draft_tokens", num_draft_tokens, minimum=1)
     check_int("max_new_tokens", max_new_tokens, minimum=1)
+    check_int("min_new_tokens", min_new_tokens, minimum=0)
     carried = draft_schedule if isinstance(draft_schedule, DraftGate) else None
     if carried is not None:
         sampled_drafts = do_sample and drafter.samples
@@ -200,7 +203,7 @@ def speculative_generate(
     device = input_ids.device
     check_generator(generator, device)
     verifier = Verifier(Sampling(do_sample, temperature, top_k, top_p, min_p, repetition_penalty=repetition_penalty),
-                        generator)  # fmt: skip
+                        generator, ends=eos, min_new_tokens=min_new_tokens)  # fmt: skip
     use_intermediate = intermediate_states_switch(target, intermediate_states)
     if batched:
         return speculate_batch(target, drafter, verifier, input_ids, attention_mask, encoder_decoder,
@@ -298,6 +301,7 @@ def _decode(
 
     done = False
     if first is not None:
+        verifier.ban(first[None], 0)
         done = emit(verifier.verify(Draft([]), first[None], None, seen)[1], 0, 0)
         out.draft_rollback_paths[drafter.accept(sequence)] += 1
     while not done:
@@ -333,6 +337,7 @@ def _decode(
         logits = runner.feed(sequence[len(runner.tokens) :] + fed, rollback=bool(fed))
         if pending:
             logits = logits[pending:]
+        verifier.ban(logits, generated)  # (a short answer's end tokens, at the positions before min_new_tokens)
         accepted, new_tokens = verifier.verify(proposal if budget else NO_DRAFT, logits, None, seen)
         if not budget and proposal.tokens:  # the shadow proposal, judged against the target's token
             accepted = int(proposal.tokens[0] == new_tokens[0])

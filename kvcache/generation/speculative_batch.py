@@ -237,6 +237,8 @@ def _loop(
             seen = [torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device) for _ in range(batch)]
             for row, prompt in zip(seen, prompts, strict=True):
                 row[torch.tensor(prompt, device=logits.device)] = True
+        for i, r in enumerate(active):  # (a short row's end tokens, at its positions before min_new_tokens)
+            verifier.ban(logits[i], len(new_tokens[r]))
         if seen is None:
             verdicts = verifier.verify_rows(drafts, logits)  # (greedy: reads the choices to the host)
         else:  # each row penalized for its own tokens, its draft's included at each position it is checked at

@@ -8,17 +8,24 @@ from __future__ import annotations
 import torch
 
 from .drafters import Draft
-from .sampling import Sampling
+from .sampling import Sampling, ban_ends
 
 
 class Verifier:
     """Greedy picking, or temperature / top-k / top-p sampling (`Sampling`, the same processing
     `generate` uses), applied alike to the target and a draft model, and the acceptance rule."""
 
-    def __init__(self, sampling: Sampling, generator: torch.Generator | None) -> None:
+    def __init__(self, sampling: Sampling, generator: torch.Generator | None, *, ends: frozenset[int] = frozenset(),
+                 min_new_tokens: int = 0) -> None:  # fmt: skip
         self.sampling = sampling
         self.do_sample = sampling.do_sample
         self.generator = generator
+        self.ends, self.min_new_tokens = ends, min_new_tokens  # (end tokens banned before that many new ones)
+
+    def ban(self, logits: torch.Tensor, made: int) -> None:
+        """In place: the end tokens of `logits` `[positions, vocab]` (the target's, position j
+        choosing the new token after `made + j`) banned before `min_new_tokens` (`ban_ends`)."""
+        ban_ends(logits, made, self.min_new_tokens, self.ends)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The sampling distribution of each row of `logits` `[rows, vocab]` (float32)."""

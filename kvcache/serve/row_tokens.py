@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..generation.sampling import Sampling
+from ..generation.sampling import Sampling, ban_ends
 
 
 def step_tokens(rows: list[Any], logits: torch.Tensor) -> list[int | None]:
@@ -69,11 +69,7 @@ def ban_early_ends(rows: list[Any], logits: torch.Tensor, eos: frozenset[int]) -
         ends = row.stop_ids if row.ignore_eos else row.stop_ids | eos
         if not ends:
             continue
-        ids = torch.tensor(sorted(ends), device=logits.device)
-        if logits.dim() == 2:
-            logits[b, ids] = float("-inf")
-        else:
-            logits[b, :short, ids] = float("-inf")
+        ban_ends(logits[b : b + 1] if logits.dim() == 2 else logits[b], len(row.tokens), row.min_tokens, ends)
 
 
 def _scores(sampling: Sampling, rows: list[Any], logits: torch.Tensor) -> torch.Tensor:
