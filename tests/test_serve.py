@@ -362,6 +362,17 @@ def test_the_readme_serving_examples_run(server) -> None:
     exec(compile(python, "README.md (serving)", "exec"), {"__name__": "__readme__"})
 
 
+def test_vllms_tool_flags_are_taken_where_they_fit_the_model(capsys) -> None:
+    """`--enable-auto-tool-choice` and `--tool-call-parser` (vLLM's): a parser the model's template
+    does not write is a one-line error once the model is loaded (the bundled model writes none)."""
+    from kvcache.cli import main
+
+    code = main(["serve", "--engine", "thread", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    out, err = capsys.readouterr()
+    assert (code, out) == (2, "") and err.count("\n") == 1 and "--tool-call-parser hermes" in err
+    assert "does not write tools" in err
+
+
 def test_bad_flags_are_one_line_errors(capsys) -> None:
     """Out-of-range limits, port and timeouts fail before any model loads or socket opens."""
     from kvcache.cli import main

@@ -323,13 +323,22 @@ def test_each_template_is_served_in_the_call_format_it_writes(template, style) -
     them; LFM2's may write the tool list alone), and a template that writes none refuses tools."""
     from types import SimpleNamespace
 
-    from kvcache.serve.tools import call_style, tools_refused
+    from kvcache.serve.tools import PARSERS, call_style, parser_refused, tools_refused
 
     served = SimpleNamespace(kind="transformers", tokenizer=SimpleNamespace(chat_template=template,
                                                                             all_special_tokens=[]))  # fmt: skip
     assert (tools_refused(served) is None) == (style is not None)
     if style is not None:
         assert call_style(served) == style
+    # vLLM's --tool-call-parser names: taken where they name the template's format, refused otherwise
+    for name, parsed in PARSERS.items():
+        refused = parser_refused(served, name)
+        if style is None:
+            assert "does not write tools" in refused
+        else:
+            assert (refused is None) == (parsed == style.replace("mistral-args", "mistral")), (name, refused)
+            assert refused is None or "writes calls in another format" in refused
+    assert "not a call format this server reads" in parser_refused(served, "granite")
 
 
 def test_markup_values_are_typed_by_the_schema_and_other_markup_stays_text() -> None:

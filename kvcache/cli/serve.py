@@ -73,6 +73,12 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--served-model-name", nargs="+", metavar="NAME", default=None,
                         help="the model id(s) requests may name, the first the one answers show (default: the "
                         "model directory's name; the --model path as given, and in full, is taken too)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="taken for vLLM's command lines: tool_choice auto is always served")
+    parser.add_argument("--tool-call-parser", metavar="NAME",
+                        help="taken for vLLM's command lines: the call format the model's template asks for "
+                        "(hermes, qwen3_xml, llama3_json, pythonic, mistral, ...), checked at startup; calls are "
+                        "read in the template's own format either way")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request on stderr")
     parser.add_argument("--engine", choices=("process", "thread"), default="process",
                         help="where the model runs: a process of its own (default; the web server and the model "
@@ -249,6 +255,7 @@ def run(args: argparse.Namespace) -> int:
     from ..serve.engine import MAX_STEP_TOKENS
     from ..serve.engine_process import EngineProcess
     from ..serve.schema import Limits
+    from ..serve.tools import parser_refused
 
     server_class = _graceful_server_class()
     if args.max_step_tokens is None:
@@ -291,6 +298,9 @@ def run(args: argparse.Namespace) -> int:
         store_location = engine.store_location
     try:
         context = context_length(args, served)
+        refused = None if args.tool_call_parser is None else parser_refused(served, args.tool_call_parser)
+        if refused:
+            raise GenerationError(refused)
     except GenerationError:
         engine.stop(5.0)
         if args.engine == "thread":

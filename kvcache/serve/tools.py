@@ -143,6 +143,30 @@ def call_style(served: Any) -> str:
     return "markup" if "<function=" in template else "json"
 
 
+#: vLLM's `--tool-call-parser` names of the call formats this server reads (`call_style`'s styles).
+PARSERS = {"hermes": "json", "qwen3_xml": "markup", "qwen3_coder": "markup", "llama3_json": "bare",
+           "llama4_json": "bare", "pythonic": "pythonic", "llama4_pythonic": "pythonic", "lfm2": "pythonic",
+           "mistral": "mistral", "gemma4": "gemma"}  # fmt: skip
+
+
+def parser_refused(served: Any, parser: str) -> str | None:
+    """Why vLLM's `--tool-call-parser parser` does not fit `served` (None: it does). The server reads
+    calls in the format the model's template asks for; the flag, taken so that vLLM's command lines
+    run, must name that format."""
+    if parser not in PARSERS:
+        return (f"--tool-call-parser {parser}: not a call format this server reads (it reads "
+                f"{', '.join(sorted(PARSERS))})")  # fmt: skip
+    refused = tools_refused(served)
+    if refused:
+        return f"--tool-call-parser {parser}: {refused}"
+    found = call_style(served).replace("mistral-args", "mistral")
+    if PARSERS[parser] != found:
+        names = " or ".join(sorted(name for name, style in PARSERS.items() if style == found))
+        return (f"--tool-call-parser {parser}: the model's chat template writes calls in another format "
+                f"({names}), which the server reads as the template asks; leave the flag out or name that one")
+    return None
+
+
 def call_opening(style: str, name: str) -> str:
     """The start of a call to `name` ("": to a tool the model picks) written in `style`: what a
     forced `tool_choice` puts at the start of the answer, so that the model goes on with the call.
