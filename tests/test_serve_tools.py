@@ -408,6 +408,29 @@ def test_the_reasoning_reader_gives_each_answers_reasoning_and_content_for_any_s
     assert reasoned(list(text), thinking, tags) == (thought, content)
 
 
+@pytest.mark.parametrize(("template", "fits"), [
+    ("{{ messages }}<think>{{ reasoning }}</think>", {"deepseek_r1", "qwen3", "granite", "glm45", "seed_oss",
+                                                      "minimax_m2", "ernie45"}),
+    ("{{ messages }}[THINK]{{ reasoning }}[/THINK]", {"mistral"}),
+    ("{{ messages }}<|channel>thought{{ reasoning }}<channel|>", {"gemma4"}),
+    ("{{ messages }}", set()),
+])  # fmt: skip
+def test_vllms_reasoning_parser_is_taken_where_it_names_the_templates_tags(template, fits) -> None:
+    """`--reasoning-parser` (vLLM's, taken so its command lines run): a name is taken where the
+    chat template writes its tags, and refused, naming why, where it writes others or none."""
+    from types import SimpleNamespace
+
+    from kvcache.serve.reasoning import REASONING_PARSERS, reasoning_parser_refused
+
+    served = SimpleNamespace(kind="transformers", tokenizer=SimpleNamespace(chat_template=template,
+                                                                            all_special_tokens=[]))  # fmt: skip
+    for name in REASONING_PARSERS:
+        refused = reasoning_parser_refused(served, name)
+        assert (refused is None) == (name in fits), (name, refused)
+        assert refused is None or ("writes its reasoning between" if fits else "writes no reasoning tags") in refused
+    assert "not a reasoning format" in reasoning_parser_refused(served, "hunyuan_a13b")
+
+
 def test_a_prompt_that_leaves_think_open_starts_the_answer_thinking() -> None:
     assert opened_in("<|im_start|>assistant\n<think>\n")
     assert not opened_in("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # thinking switched off

@@ -79,6 +79,10 @@ def add_parser(subparsers: Any) -> None:
                         help="taken for vLLM's command lines: the call format the model's template asks for "
                         "(hermes, qwen3_xml, llama3_json, pythonic, mistral, ...), checked at startup; calls are "
                         "read in the template's own format either way")
+    parser.add_argument("--reasoning-parser", metavar="NAME",
+                        help="taken for vLLM's command lines: the reasoning tags the model's template writes "
+                        "(deepseek_r1, qwen3, mistral, ...), checked at startup; answers are read for reasoning "
+                        "in the template's own tags either way")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request on stderr")
     parser.add_argument("--engine", choices=("process", "thread"), default="process",
                         help="where the model runs: a process of its own (default; the web server and the model "
@@ -254,6 +258,7 @@ def run(args: argparse.Namespace) -> int:
     from ..serve import create_app
     from ..serve.engine import MAX_STEP_TOKENS
     from ..serve.engine_process import EngineProcess
+    from ..serve.reasoning import reasoning_parser_refused
     from ..serve.schema import Limits
     from ..serve.tools import parser_refused
 
@@ -299,6 +304,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         context = context_length(args, served)
         refused = None if args.tool_call_parser is None else parser_refused(served, args.tool_call_parser)
+        if args.reasoning_parser is not None:
+            refused = refused or reasoning_parser_refused(served, args.reasoning_parser)
         if refused:
             raise GenerationError(refused)
     except GenerationError:

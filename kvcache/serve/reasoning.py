@@ -50,6 +50,28 @@ def reasoning_tags(served: Any) -> tuple[str, str] | None:
     return (THINK, UNTHINK) if all(tag in template and tag not in special for tag in (THINK, UNTHINK)) else None
 
 
+#: vLLM's `--reasoning-parser` names of the reasoning formats this server reads, by their opening tag.
+REASONING_PARSERS = {"deepseek_r1": THINK, "qwen3": THINK, "granite": THINK, "glm45": THINK, "seed_oss": THINK,
+                     "minimax_m2": THINK, "ernie45": THINK, "mistral": BRACKET_THINK, "gemma4": CHANNEL}  # fmt: skip
+
+
+def reasoning_parser_refused(served: Any, parser: str) -> str | None:
+    """Why vLLM's `--reasoning-parser parser` does not fit `served` (None: it does): answers are
+    read for reasoning in the tags the model's template writes; the flag, taken so that vLLM's
+    command lines run, must name those tags."""
+    if parser not in REASONING_PARSERS:
+        return (f"--reasoning-parser {parser}: not a reasoning format this server reads (it reads "
+                f"{', '.join(sorted(REASONING_PARSERS))})")  # fmt: skip
+    tags = reasoning_tags(served)
+    if tags is None:
+        return (f"--reasoning-parser {parser}: the model's chat template writes no reasoning tags this server "
+                "reads, so its answers are not read for reasoning")  # fmt: skip
+    if REASONING_PARSERS[parser] != tags[0]:
+        return (f"--reasoning-parser {parser}: the model's chat template writes its reasoning between {tags[0]} "
+                f"and {tags[1]}, which the server reads; leave the flag out or name a parser of those tags")
+    return None
+
+
 def opened_in(prompt: str, tags: tuple[str, str] = (THINK, UNTHINK)) -> bool:
     """Whether `prompt` (a rendered chat prompt) ends by opening the reasoning (`tags[0]`: a
     template that starts the assistant's turn thinking): the answer starts inside it. Only the end
