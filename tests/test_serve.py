@@ -381,6 +381,8 @@ def test_bad_flags_are_one_line_errors(capsys) -> None:
                         (["--shutdown-timeout", "nan"], "--shutdown-timeout must be > 0"),
                         (["--port", "70000"], "--port must be in"), (["--max-batch", "0"], "--max-batch must be >= 1"),
                         (["--max-step-tokens", "0"], "--max-step-tokens must be >= 1"),
+                        (["--max-num-seqs", "0"], "--max-batch must be >= 1"),  # (vLLM's names for them)
+                        (["--max-num-batched-tokens", "0"], "--max-step-tokens must be >= 1"),
                         (["--prompt-lookup", "0"], "--prompt-lookup must be >= 1"),
                         (["--speculative", "2", "--prompt-lookup", "3"], "one speculation flag"),
                         (["--suffix-draft", "4", "--prompt-lookup", "3"], "alternatives"),
