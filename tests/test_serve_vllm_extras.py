@@ -1,7 +1,8 @@
 """vLLM's extras on `kvcache serve`: `/tokenize` and `/detokenize` (the ids a completion or a chat
 request would feed the model, checked against the token counts the answers' `usage` reports, and
 their text back), a chat's `continue_final_message` (a prefilled answer, continued as the same
-text sent as a completion is), and 4xx errors for what they do not take."""
+text sent as a completion is), `truncate_prompt_tokens`, and 4xx errors for what they do not
+take."""
 
 from __future__ import annotations
 
@@ -92,3 +93,24 @@ def test_a_prefilled_answer_is_continued_as_the_same_text_sent_as_a_completion(s
     assert counted["tokens"] == model.encode(text)
     plain = post(server, "/tokenize", {"messages": messages[:1], "add_generation_prompt": False}).json()
     assert plain["tokens"] == model.encode("User: What does a list hold?\n")
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(server) -> None:
+    """vLLM's `truncate_prompt_tokens`: k keeps the prompt's last k tokens (the answer is that of
+    the cut prompt sent whole; an echo shows the cut prompt), -1 as many as the server takes (here
+    `--max-prompt-tokens`' 8,192: the bundled model has no context limit), so a longer prompt is
+    answered rather than refused."""
+    prompt = "The value of the list is the sum of its items. The value of the "
+    cut = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0,
+                                           "truncate_prompt_tokens": 20, "echo": True}).json()  # fmt: skip
+    whole = post(server, "/v1/completions", {"prompt": prompt[-20:], "max_tokens": 12, "temperature": 0}).json()
+    assert cut["usage"]["prompt_tokens"] == 20
+    assert cut["choices"][0]["text"] == prompt[-20:] + whole["choices"][0]["text"]
+    long = "The value of the list. " * 400  # 9,200 characters, as many tokens at the bundled model
+    refused = post(server, "/v1/completions", {"prompt": long, "max_tokens": 2})
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
+    kept = post(server, "/v1/completions", {"prompt": long, "max_tokens": 2, "truncate_prompt_tokens": -1})
+    assert kept.status_code == 200 and kept.json()["usage"]["prompt_tokens"] == 8192
+    for bad in (0, -2, 1.5, True, "all"):
+        answer = post(server, "/v1/completions", {"prompt": prompt, "truncate_prompt_tokens": bad})
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "truncate_prompt_tokens", bad

@@ -83,10 +83,11 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
 
         return run
 
-    def encoded(prompt: str | list[int], chat: bool, special: bool | None = None) -> list[int]:
+    def encoded(prompt: str | list[int], chat: bool, special: bool | None = None, keep: int | None = None) -> list[int]:
         """A prompt's token ids, checked (nothing is submitted before every prompt passes); the
         tokenizer's special tokens added to a completion's text, not to a chat's (`special` says
-        otherwise)."""
+        otherwise); only the last `keep` of them (vLLM's `truncate_prompt_tokens`; -1: as many as
+        the server takes)."""
         try:
             special = not chat if special is None else special
             ids = prompt if isinstance(prompt, list) else served.encode(prompt, add_special_tokens=special)
@@ -94,6 +95,9 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
             raise ApiError(400, f"the prompt cannot be encoded: {err}", param="prompt") from None
         if any(not 0 <= t < served.vocab_size for t in ids):
             raise ApiError(400, f"prompt token ids must be in [0, {served.vocab_size})", param="prompt")
+        if keep is not None:
+            ids = ids[-(min(limits.context_length or limits.max_prompt_tokens, limits.max_prompt_tokens)
+                        if keep == -1 else keep):]  # fmt: skip
         if len(ids) > limits.max_prompt_tokens:
             raise ApiError(400, f"the prompt has {len(ids)} tokens, more than the {limits.max_prompt_tokens} "
                            "this server takes", param="prompt", code="context_length_exceeded")  # fmt: skip
@@ -119,7 +123,7 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
     def submit(params: Params, chat: bool) -> list[Completion]:
         """One engine request per choice: `n` per prompt, choice j of a prompt seeded `seed + j`
         (so seeded samples differ and repeat), indexed prompt by prompt."""
-        prompts = [encoded(p, chat) for p in params.prompts]
+        prompts = [encoded(p, chat, keep=params.truncate) for p in params.prompts]
         rooms = [room(p, params, chat) for p in prompts]
         if engine.active["waiting"] + len(prompts) * params.n > limits.max_waiting:
             raise ApiError(429, "the server is busy: too many requests are waiting, retry later")
@@ -138,7 +142,8 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
                                   logprobs=params.logprobs, grammar=params.grammar, stop_ids=params.stop_token_ids,
                                   ignore_eos=params.ignore_eos, min_tokens=min(params.min_tokens, most),
                                   prompt_logprobs=params.logprobs if params.echo else None)  # fmt: skip
-                echo = (original if isinstance(original, str) else served.decode(prompt)) if params.echo else None
+                shown = original if isinstance(original, str) and params.truncate is None else served.decode(prompt)
+                echo = shown if params.echo else None
                 choices.append(Completion(served, engine, request, params.stop, chat=chat, index=i * params.n + j,
                                           include_stop=params.include_stop,
                                           counts_prompt=j == 0, echo=echo, tools=params.tools,

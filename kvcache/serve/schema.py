@@ -47,7 +47,7 @@ MAX_STOP_TOKEN_IDS = 64
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options",
           "logprobs", "top_logprobs", "n", "logit_bias", "presence_penalty", "frequency_penalty",
           "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
-          "include_stop_str_in_output"}  # fmt: skip
+          "include_stop_str_in_output", "truncate_prompt_tokens"}  # fmt: skip
 COMPLETION_FIELDS = COMMON | {"prompt"} | set(NEUTRAL) | IGNORED
 CHAT_FIELDS = (COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs", "add_generation_prompt",
                          "continue_final_message"} | set(NEUTRAL) | IGNORED)  # fmt: skip
@@ -115,6 +115,7 @@ class Params:
     stop_token_ids: frozenset[int] = frozenset()
     min_tokens: int = 0
     include_stop: bool = False
+    truncate: int | None = None  # vLLM's `truncate_prompt_tokens`: the prompt's last so many tokens (-1: all taken)
 
 
 #: JSON nested deeper than this is refused (a request needs 4 levels; Python's parser recurses).
@@ -240,7 +241,16 @@ def _common(body: dict[str, Any], allowed: set[str], model: str | tuple[str, ...
                   repetition_penalty=_number(body, "repetition_penalty", model_says.get("repetition_penalty", 1.0),
                                              0.0, 2.0, low_open=True),
                   ignore_eos=_flag(body, "ignore_eos"), stop_token_ids=_stop_token_ids(body.get("stop_token_ids")),
-                  min_tokens=min_tokens, include_stop=_flag(body, "include_stop_str_in_output"))  # fmt: skip
+                  min_tokens=min_tokens, include_stop=_flag(body, "include_stop_str_in_output"),
+                  truncate=_truncation(body.get("truncate_prompt_tokens")))  # fmt: skip
+
+
+def _truncation(value: Any) -> int | None:
+    """vLLM's `truncate_prompt_tokens`: k >= 1 keeps the prompt's last k tokens, -1 as many as the
+    server takes; null: the whole prompt."""
+    if value is None or (type(value) is int and value == -1):
+        return value
+    return _integer(value, "truncate_prompt_tokens", 1, 1 << 31)
 
 
 def _flag(body: dict[str, Any], name: str, default: bool = False) -> bool:
