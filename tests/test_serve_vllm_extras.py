@@ -114,3 +114,10 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(server) -> None:
     for bad in (0, -2, 1.5, True, "all"):
         answer = post(server, "/v1/completions", {"prompt": prompt, "truncate_prompt_tokens": bad})
         assert answer.status_code == 400 and answer.json()["error"]["param"] == "truncate_prompt_tokens", bad
+
+
+def test_version_says_the_packages(server) -> None:
+    from kvcache import __version__
+
+    answer = httpx.get(f"{server.url}/version", timeout=30)
+    assert answer.status_code == 200 and answer.json() == {"version": __version__}

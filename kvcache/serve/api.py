@@ -28,6 +28,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .._version import __version__
 from ..errors import KVCacheError
 from ..generation.sampling import Sampling
 from . import responses
@@ -261,6 +262,9 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
                            param="model", code="model_not_found")  # fmt: skip
         return JSONResponse({"prompt": served.decode(detokenize_ids(body, served.vocab_size))})
 
+    async def version(http: HttpRequest) -> Response:
+        return JSONResponse({"version": __version__})
+
     async def health(http: HttpRequest) -> Response:
         return JSONResponse({"status": "ok", "model": shown, **engine.active,
                              "store_writes_pending": engine.store_writes_pending})  # fmt: skip
@@ -282,6 +286,7 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
         Route("/tokenize", endpoint("tokenize", tokenize, auth=True), methods=["POST"]),
         Route("/detokenize", endpoint("detokenize", detokenize, auth=True), methods=["POST"]),
         Route("/health", endpoint("health", health, auth=False), methods=["GET"]),
+        Route("/version", endpoint("version", version, auth=False), methods=["GET"]),
         Route("/metrics", endpoint("metrics", metrics_text, auth=False), methods=["GET"]),
     ]
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error},
