@@ -49,10 +49,10 @@ def add_parser(subparsers: Any) -> None:
                         help="quantize the attention cache to 8, 4 or 2 bits (as generate --kv-bits; each request "
                         "quantized as when it runs alone); default: full precision")
     parser.add_argument("--max-batch", "--max-num-seqs", type=int, default=32,
-                        help="requests decoded together at most (default 32; vLLM's --max-num-seqs)")
+                        help="(vLLM's --max-num-seqs) requests decoded together at most (default 32)")
     parser.add_argument("--max-step-tokens", "--max-num-batched-tokens", type=int, default=None,
-                        help="tokens one engine step computes at most: every running row's decode token plus "
-                        "prefill blocks of waiting prompts (default 256; vLLM's --max-num-batched-tokens)")
+                        help="(vLLM's --max-num-batched-tokens) tokens one engine step computes at most: every "
+                        "running row's decode token plus prefill blocks of waiting prompts (default 256)")
     parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
                         help="the most tokens a prompt and its answer hold together (default: the context "
                         "the model's config names, which is also the most taken)")
