@@ -45,6 +45,12 @@ class ServeProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def client(self, key: str = "unused", timeout: float = 60) -> Any:
+        """The official `openai` client of this server (no retries: a failure shows at once)."""
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=timeout)
+
     def start(self, log: Path) -> ServeProcess:
         return self.launch(log).wait_started()
 

@@ -92,7 +92,7 @@ def test_the_server_refuses_what_the_context_cannot_hold_and_cuts_its_default(gp
     """max_tokens past the context is a 400 naming both counts (context_length_exceeded); left out,
     the default is cut to the room left; a prompt that fills the context is a 400; the model card
     says the length (vLLM's `max_model_len`)."""
-    c = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    c = served.client()
     prompt = (WORDS * 6).strip()
     ids = tokens(gpt2, prompt)
     with pytest.raises(openai.BadRequestError, match=f"maximum context length is 64 tokens.*{len(ids) + 40} tokens"):
@@ -172,7 +172,7 @@ def test_max_model_len_lowers_the_context_and_may_not_raise_it(gpt2, tmp_path: P
     assert (code, out) == (2, "") and "--max-model-len 100: tiny-gpt2 takes at most 64 positions" in err
     process = ServeProcess("--model", str(gpt2), "--max-model-len", "24", "--threads", "1").start(tmp_path / "log")
     try:
-        c = openai.OpenAI(base_url=f"{process.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        c = process.client()
         ids = tokens(gpt2, "The value of the cache")
         answer = c.completions.create(model="tiny-gpt2", prompt=ids, temperature=0)
         assert answer.usage.completion_tokens == 24 - len(ids)

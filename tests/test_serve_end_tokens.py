@@ -146,10 +146,6 @@ def server(tmp_path_factory):
     yield from module_server(tmp_path_factory)
 
 
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
 def test_stop_token_ids_min_tokens_and_the_stop_reason_through_the_client(server, bundled) -> None:
     """The bundled model is character-level (one character a token): `stop_token_ids` ends the text
     at that character (kept, as vLLM keeps a stop token that is not special), `min_tokens` bans it
@@ -159,7 +155,7 @@ def test_stop_token_ids_min_tokens_and_the_stop_reason_through_the_client(server
     ids = tokenizer.encode(prompt)
     full = alone(model, ids, 40)
     stop = full[6]
-    c = client(server)
+    c = server.client()
     for min_tokens in (0, 15):
         want = ended_greedy(model, ids, 40, {stop}, min_tokens)
         extra = {"stop_token_ids": [stop], "min_tokens": min_tokens}
@@ -185,7 +181,7 @@ def test_stop_strings_wait_for_min_tokens_and_can_stay_in_the_text(server, bundl
     stop = next(full[i : i + 2] for i in range(40) if full[i : i + 2] in full[i + 4 : 58])  # occurs twice
     first = full.index(stop)
     second = full.index(stop, first + 1)
-    c = client(server)
+    c = server.client()
     cases = [({}, full[:first]), ({"include_stop_str_in_output": True}, full[: first + 2]),
              ({"min_tokens": first + 2}, full[:second]), ({"min_tokens": first + 1}, full[:first])]  # fmt: skip
     for extra, want in cases:

@@ -153,14 +153,10 @@ def server(tmp_path_factory):
     yield from module_server(tmp_path_factory)
 
 
-def client(process) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{process.url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
 def test_the_official_client_gets_answers_held_to_the_format_whole_streamed_and_as_responses(served, server) -> None:
     """Each answer is the constrained greedy recomputation of its prompt: JSON mode, a schema, and
     a schema asked through the Responses API; streamed pieces join to the whole answer."""
-    c = client(server)
+    c = server.client()
     messages = [{"role": "user", "content": "Give me a person as JSON."}]
     prompt = served.encode(served.chat_prompt(messages))
     for form in ({"type": "json_object"}, AS_PERSON):
@@ -185,7 +181,7 @@ def test_the_official_client_gets_answers_held_to_the_format_whole_streamed_and_
 
 def test_sampled_answers_follow_the_schema(server) -> None:
     """Sampled (seeded) answers differ from one another, and each is the schema's, as far as it got."""
-    c = client(server)
+    c = server.client()
     answer = c.chat.completions.create(model="kvcache-default", messages=[{"role": "user", "content": "A person?"}],
                                        response_format=AS_PERSON, temperature=1.0, seed=5, n=4,
                                        max_tokens=200)  # fmt: skip
