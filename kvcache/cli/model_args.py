@@ -49,8 +49,12 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, draft_model: bool, s
     """Add `--model`, `--device`, `--dtype`, the speculation flags (`--prompt-lookup`,
     `--suffix-draft`, `--speculative`: the one that names either; with `draft_model`, `--draft-model`
     and `--draft-tokens`) to `parser`; `speculative_default` ends `--speculative`'s help."""
-    parser.add_argument("--model", metavar="DIR", help="a local transformers model directory and its tokenizer "
+    parser.add_argument("--model", metavar="DIR|ID", help="a local transformers model directory and its tokenizer, "
+                        "or the hub id (org/name) of one downloaded into the local Hugging Face cache "
                         "(default: the bundled character-level model)")
+    parser.add_argument("--revision", metavar="REV", default=None,
+                        help="for a hub id --model: the branch, tag or commit of it to load, one the local cache "
+                        "holds (default: main)")
     parser.add_argument("--device", default="auto", metavar="DEVICE",
                         help=f"where the model runs: {', '.join(DEVICE_CHOICES)} or cuda:N (default auto: CUDA, "
                         "then MPS, then the CPU)")
@@ -75,8 +79,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, draft_model: bool, s
                         help=f"K: the same as --prompt-lookup K (K=4 when left out); suffix: the same as "
                         f"--suffix-draft {DEFAULT_SUFFIX_TOKENS}; 0: no speculation{speculative_default}")
     if draft_model:
-        parser.add_argument("--draft-model", metavar="DIR",
-                            help="speculative decoding with this transformers directory as the draft model (same "
+        parser.add_argument("--draft-model", metavar="DIR|ID",
+                            help="speculative decoding with this transformers directory (or cached hub id) as the "
+                            "draft model (same "
                             "tokenizer as --model); greedy output is the same, sampled output follows the same "
                             "distribution")
         parser.add_argument("--draft-tokens", type=int, default=None, metavar="K",
@@ -87,6 +92,14 @@ def check_model_arguments(args: argparse.Namespace) -> None:
     """The speculation flags' values, before anything loads; `--speculative` becomes the flag it
     names (`--prompt-lookup K` or `--suffix-draft K`), and is 0 after; `--chat-template` becomes
     the template's text."""
+    if getattr(args, "revision", None) is not None and not args.model:
+        raise GenerationError("--revision picks a version of a hub id --model (the bundled model has one)")
+    from ..models.locate import locate_model
+
+    if args.model:  # where the models are, before anything loads
+        locate_model(args.model, getattr(args, "revision", None))
+    if getattr(args, "draft_model", None):
+        locate_model(args.draft_model, flag="--draft-model")
     if getattr(args, "chat_template", None) is not None:
         args.chat_template = chat_template_text(args.chat_template, args.model)
     chosen = getattr(args, "speculative", None)
@@ -149,7 +162,7 @@ def load_model(args: argparse.Namespace, device: Any) -> Any:
     dtype = getattr(torch, args.dtype) if args.dtype else None
     if not args.model:
         return bundled(dtype or torch.float32, device)
-    served = from_directory(args.model, dtype, device)
+    served = from_directory(args.model, dtype, device, revision=getattr(args, "revision", None))
     if getattr(args, "generation_config", "auto") == "none":
         served.sampling = {}
     if getattr(args, "chat_template", None) is not None:  # (its text: `check_model_arguments`)
@@ -170,7 +183,7 @@ def load_drafter(args: argparse.Namespace, target: Any) -> tuple[Any, int] | Non
         return SuffixDrafter(), args.suffix_draft
     if not getattr(args, "draft_model", None):
         return None
-    draft = from_directory(args.draft_model, target.dtype, target.device)
+    draft = from_directory(args.draft_model, target.dtype, target.device, flag="--draft-model")
     if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
         raise GenerationError(f"--draft-model {args.draft_model}: its tokenizer's vocabulary differs from "
                               f"--model {args.model}'s: a draft model must share the target's tokens")  # fmt: skip

@@ -182,11 +182,13 @@ def default_threads() -> int:
 
 def model_names(args: argparse.Namespace, name: str) -> tuple[str, ...]:
     """The model ids requests may name, the one answers show first: `--served-model-name`'s, else
-    the served model's `name` (a directory's name), then the `--model` path as given and in full,
+    the served model's `name` (a directory's name, or a hub id), then the `--model` path as given and in full,
     which is what clients written for vLLM (whose default id is that path) send."""
     if args.served_model_name:
         return tuple(dict.fromkeys(args.served_model_name))
     given = (args.model, str(Path(args.model).resolve())) if args.model else ()
+    if args.model and not Path(args.model).is_dir():  # a hub id: no path to resolve
+        given = (args.model,)
     return tuple(dict.fromkeys((name, *given)))
 
 

@@ -25,6 +25,7 @@ import torch
 from ..errors import CacheInputError
 from ..generation.token_bytes import TokenBytes, byte_reader
 from . import default
+from .locate import locate_model
 from .sampling_defaults import read_sampling_defaults
 
 ROLES = ("system", "user", "assistant")
@@ -192,18 +193,19 @@ def bundled(dtype: torch.dtype = torch.float32, device: torch.device | str | Non
     return TextModel(model, "kvcache-default", [], tokenizer, "bundled", model_id())
 
 
-def _not_a_model(path: str | Path, exc: Exception) -> CacheInputError:
+def _not_a_model(path: str | Path, exc: Exception, flag: str = "--model") -> CacheInputError:
     """The error for a directory transformers cannot load as a causal LM: its message's first line
     (an unknown configuration class is followed by the list of every known one)."""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return CacheInputError(f"--model {path}: not a transformers causal LM directory ({first[:300]})")
+    return CacheInputError(f"{flag} {path}: not a transformers causal LM directory ({first[:300]})")
 
 
-def from_directory(path: str | Path, dtype: torch.dtype | None = None,
-                   device: torch.device | str | None = None) -> TextModel:  # fmt: skip
-    """A transformers causal LM and its tokenizer saved in `path` (local files only), on `device`
-    (default: the CPU) in `dtype` (default: the dtype the directory names, as transformers'
-    `dtype="auto"`). An image-text-to-text checkpoint that no causal-LM class takes (Mistral 3,
+def from_directory(path: str | Path, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                   revision: str | None = None, flag: str = "--model") -> TextModel:  # fmt: skip
+    """A transformers causal LM and its tokenizer saved in `path`, or downloaded into the local
+    Hugging Face cache as the hub id `path` names (at `revision`; `locate.locate_model`: local
+    files only), on `device` (default: the CPU) in `dtype` (default: the dtype the directory names,
+    as transformers' `dtype="auto"`). An image-text-to-text checkpoint that no causal-LM class takes (Mistral 3,
     Qwen2.5-VL, Qwen3-VL) is loaded whole with its own class and runs on text alone, as vLLM serves
     such a model to a text request."""
     try:
@@ -216,15 +218,14 @@ def from_directory(path: str | Path, dtype: torch.dtype | None = None,
         raise CacheInputError('--model needs transformers: pip install "kvcache[transformers]"') from exc
     from ..integrations.transformers import wrap_model
 
-    where = Path(path)
-    if not where.is_dir():
-        raise CacheInputError(f"--model {path}: not a directory (a local transformers model is expected)")
+    location = locate_model(path, revision, flag)
+    where = location.directory
     try:
         config = AutoConfig.from_pretrained(where, local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:  # no config, an unknown model type
-        raise _not_a_model(path, exc) from exc
+        raise _not_a_model(path, exc, flag) from exc
     if getattr(config, "is_encoder_decoder", False):  # transformers would load its decoder alone
-        raise CacheInputError(f"--model {path}: {type(config).__name__} is an encoder-decoder model; the CLI and "
+        raise CacheInputError(f"{flag} {path}: {type(config).__name__} is an encoder-decoder model; the CLI and "
                               "the server run causal LMs (from Python, wrap it with "
                               "kvcache.integrations.transformers.wrap_model)")  # fmt: skip
     # a configuration the causal-LM classes do not map: its image-text-to-text class, if it has one
@@ -236,10 +237,10 @@ def from_directory(path: str | Path, dtype: torch.dtype | None = None,
                                            output_loading_info=True)  # fmt: skip
         tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:  # no weights, a type with no causal LM
-        raise _not_a_model(path, exc) from exc
+        raise _not_a_model(path, exc, flag) from exc
     missing = sorted(loading.get("missing_keys") or ())
     if missing:  # transformers fills them with random numbers and only warns
-        raise CacheInputError(f"--model {path}: the directory's weights leave {len(missing)} of "
+        raise CacheInputError(f"{flag} {path}: the directory's weights leave {len(missing)} of "
                               f"{type(hf).__name__}'s parameters unset ({', '.join(missing[:3])}): a checkpoint of "
                               "another kind of model?")  # fmt: skip
     hf = hf.eval()
@@ -251,5 +252,5 @@ def from_directory(path: str | Path, dtype: torch.dtype | None = None,
     eos = wrapped.eos_token_id or []
     # the store's namespace: the fingerprint already covers the config and weights (not the path),
     # so servers loading the same model from anywhere share one store
-    return TextModel(wrapped, where.name, list(eos), tokenizer, "transformers", "transformers",
+    return TextModel(wrapped, location.name, list(eos), tokenizer, "transformers", "transformers",
                      read_sampling_defaults(where))
