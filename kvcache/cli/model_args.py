@@ -55,6 +55,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, draft_model: bool, s
     parser.add_argument("--revision", metavar="REV", default=None,
                         help="for a hub id --model: the branch, tag or commit of it to load, one the local cache "
                         "holds (default: main)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="let --model (and --draft-model) run modeling code of their own that their config "
+                        "names (transformers' and vLLM's flag: that code runs in this process; for models you "
+                        "trust)")
     parser.add_argument("--device", default="auto", metavar="DEVICE",
                         help=f"where the model runs: {', '.join(DEVICE_CHOICES)} or cuda:N (default auto: CUDA, "
                         "then MPS, then the CPU)")
@@ -162,7 +166,8 @@ def load_model(args: argparse.Namespace, device: Any) -> Any:
     dtype = getattr(torch, args.dtype) if args.dtype else None
     if not args.model:
         return bundled(dtype or torch.float32, device)
-    served = from_directory(args.model, dtype, device, revision=getattr(args, "revision", None))
+    served = from_directory(args.model, dtype, device, revision=getattr(args, "revision", None),
+                            trust_remote_code=getattr(args, "trust_remote_code", False))  # fmt: skip
     if getattr(args, "generation_config", "auto") == "none":
         served.sampling = {}
     if getattr(args, "chat_template", None) is not None:  # (its text: `check_model_arguments`)
@@ -183,7 +188,8 @@ def load_drafter(args: argparse.Namespace, target: Any) -> tuple[Any, int] | Non
         return SuffixDrafter(), args.suffix_draft
     if not getattr(args, "draft_model", None):
         return None
-    draft = from_directory(args.draft_model, target.dtype, target.device, flag="--draft-model")
+    draft = from_directory(args.draft_model, target.dtype, target.device, flag="--draft-model",
+                           trust_remote_code=getattr(args, "trust_remote_code", False))  # fmt: skip
     if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
         raise GenerationError(f"--draft-model {args.draft_model}: its tokenizer's vocabulary differs from "
                               f"--model {args.model}'s: a draft model must share the target's tokens")  # fmt: skip

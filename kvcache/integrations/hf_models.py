@@ -25,8 +25,22 @@ OWN_STATE = {"recurrent_gemma": "its recurrent blocks keep their states on the m
              "minimax": "its forward takes only its own MiniMaxCache"}  # fmt: skip
 
 
+def _named_params(function: Any) -> set[str]:
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return {name for name, p in inspect.signature(function).parameters.items() if p.kind not in variadic} - {"self"}
+
+
 def _forward_params(model: PreTrainedModel) -> set[str]:
-    return set(inspect.signature(model.forward).parameters)
+    """The arguments the model's forward names. A forward that names none (`*args, **kwargs`: a
+    subclass's wrapper of its parent's, as a directory's own modeling code often writes) takes what
+    the nearest forward up its classes names."""
+    named = _named_params(model.forward)
+    for klass in type(model).__mro__:
+        if named:
+            break
+        if "forward" in vars(klass):
+            named = _named_params(vars(klass)["forward"])
+    return named
 
 
 def _vocab_size(model: PreTrainedModel) -> int:

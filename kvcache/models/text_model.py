@@ -197,17 +197,23 @@ def _not_a_model(path: str | Path, exc: Exception, flag: str = "--model") -> Cac
     """The error for a directory transformers cannot load as a causal LM: its message's first line
     (an unknown configuration class is followed by the list of every known one)."""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "custom code" in first:  # transformers' refusal of a directory's own modeling code
+        return CacheInputError(f"{flag} {path}: its config names modeling code of its own (config.json's "
+                               "auto_map), which runs only with --trust-remote-code: give it for a model you trust")
     return CacheInputError(f"{flag} {path}: not a transformers causal LM directory ({first[:300]})")
 
 
 def from_directory(path: str | Path, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                   revision: str | None = None, flag: str = "--model") -> TextModel:  # fmt: skip
+                   revision: str | None = None, flag: str = "--model",
+                   trust_remote_code: bool = False) -> TextModel:  # fmt: skip
     """A transformers causal LM and its tokenizer saved in `path`, or downloaded into the local
     Hugging Face cache as the hub id `path` names (at `revision`; `locate.locate_model`: local
     files only), on `device` (default: the CPU) in `dtype` (default: the dtype the directory names,
     as transformers' `dtype="auto"`). An image-text-to-text checkpoint that no causal-LM class takes (Mistral 3,
     Qwen2.5-VL, Qwen3-VL) is loaded whole with its own class and runs on text alone, as vLLM serves
-    such a model to a text request."""
+    such a model to a text request. A directory whose config names modeling code of its own loads
+    only with `trust_remote_code` (transformers' flag: that code runs here); without it, transformers'
+    interactive question is never asked."""
     try:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
         from transformers.models.auto.modeling_auto import (
@@ -220,8 +226,9 @@ def from_directory(path: str | Path, dtype: torch.dtype | None = None, device: t
 
     location = locate_model(path, revision, flag)
     where = location.directory
+    local = {"local_files_only": True, "trust_remote_code": trust_remote_code}
     try:
-        config = AutoConfig.from_pretrained(where, local_files_only=True)
+        config = AutoConfig.from_pretrained(where, **local)
     except (OSError, ValueError, KeyError) as exc:  # no config, an unknown model type
         raise _not_a_model(path, exc, flag) from exc
     if getattr(config, "is_encoder_decoder", False):  # transformers would load its decoder alone
@@ -233,9 +240,8 @@ def from_directory(path: str | Path, dtype: torch.dtype | None = None, device: t
     image_text = kind not in MODEL_FOR_CAUSAL_LM_MAPPING and kind in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
     auto = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
     try:
-        hf, loading = auto.from_pretrained(where, local_files_only=True, dtype=dtype or "auto",
-                                           output_loading_info=True)  # fmt: skip
-        tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=True)
+        hf, loading = auto.from_pretrained(where, dtype=dtype or "auto", output_loading_info=True, **local)
+        tokenizer = AutoTokenizer.from_pretrained(where, **local)
     except (OSError, ValueError, KeyError) as exc:  # no weights, a type with no causal LM
         raise _not_a_model(path, exc, flag) from exc
     missing = sorted(loading.get("missing_keys") or ())
