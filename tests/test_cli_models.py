@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_reference import greedy_text
 from serve_kit import tiny_model_dir
 
 from kvcache.cli import main
@@ -30,18 +31,9 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def transformers_text(where: Path, prompt: str, new: int = NEW, chat: bool = False) -> str:
-    """What a transformers user gets: greedy `generate` on `tokenizer(prompt)` (or the chat
-    template's ids), the new tokens decoded without special tokens."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(where).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(where)
-    if chat:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True)  # fmt: skip
-        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
-    else:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False)
-    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    """What a transformers user gets from the directory (`hf_reference.greedy_text`)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(where)
+    return greedy_text(model, transformers.AutoTokenizer.from_pretrained(where), prompt, new, chat)
 
 
 def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:

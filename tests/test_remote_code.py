@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+from hf_reference import greedy_text
 from serve_kit import tiny_model_dir
 
 from kvcache.cli import main
@@ -58,11 +58,8 @@ def own_code_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def transformers_text(where: Path) -> str:
-    model = transformers.AutoModelForCausalLM.from_pretrained(where, trust_remote_code=True).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(where, trust_remote_code=True)
-    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False)
-    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(where, trust_remote_code=True)
+    return greedy_text(model, transformers.AutoTokenizer.from_pretrained(where, trust_remote_code=True), PROMPT, NEW)
 
 
 def test_own_modeling_code_runs_with_the_flag_as_transformers_runs_it(own_code_dir: Path, capsys) -> None:

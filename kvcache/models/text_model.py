@@ -15,6 +15,7 @@ answer token for token, and the prefix store reuses both.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -107,8 +108,9 @@ class TextModel:
     @cached_property
     def _kept(self) -> frozenset[int]:
         """The ids of the tokenizer's `KEPT_SPECIAL` tokens (special or not: kept either way)."""
-        ids = {int(self.tokenizer.convert_tokens_to_ids(token)) for token in KEPT_SPECIAL}
-        return frozenset(i for i in ids if self.tokenizer.convert_ids_to_tokens(i) in KEPT_SPECIAL)
+        # (a tokenizer without an unknown token, as Qwen's, answers None for a token it lacks)
+        ids = {self.tokenizer.convert_tokens_to_ids(token) for token in KEPT_SPECIAL} - {None}
+        return frozenset(int(i) for i in ids if self.tokenizer.convert_ids_to_tokens(int(i)) in KEPT_SPECIAL)
 
     @cached_property
     def _dropped(self) -> frozenset[int]:
@@ -227,6 +229,11 @@ def from_directory(path: str | Path, dtype: torch.dtype | None = None, device: t
     location = locate_model(path, revision, flag)
     where = location.directory
     local = {"local_files_only": True, "trust_remote_code": trust_remote_code}
+    if location.gguf_file is not None:  # (read, and its weights dequantized, by transformers)
+        if importlib.util.find_spec("gguf") is None:
+            raise CacheInputError(f"{flag} {path}: reading a GGUF file needs the gguf package: "
+                                  'pip install "kvcache[gguf]"')
+        local["gguf_file"] = location.gguf_file
     try:
         config = AutoConfig.from_pretrained(where, **local)
     except (OSError, ValueError, KeyError) as exc:  # no config, an unknown model type
@@ -258,5 +265,6 @@ def from_directory(path: str | Path, dtype: torch.dtype | None = None, device: t
     eos = wrapped.eos_token_id or []
     # the store's namespace: the fingerprint already covers the config and weights (not the path),
     # so servers loading the same model from anywhere share one store
-    return TextModel(wrapped, location.name, list(eos), tokenizer, "transformers", "transformers",
-                     read_sampling_defaults(where))
+    # (a GGUF file's directory may hold anything: its generation_config.json is not the file's)
+    sampling = read_sampling_defaults(where) if location.gguf_file is None else {}
+    return TextModel(wrapped, location.name, list(eos), tokenizer, "transformers", "transformers", sampling)
