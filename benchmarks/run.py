@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 #: Scenarios a quick run leaves out (the full run and `--only` run them): kvcache serve against
 #: `transformers serve` starts servers and takes about two minutes; startup times subprocesses;
-#: suffix drafting runs a sequence of requests three times over.
-FULL_ONLY = ("serve_anchor", "startup", "suffix")
+#: suffix drafting runs a sequence of requests three times over; predicted outputs start a server.
+FULL_ONLY = ("serve_anchor", "startup", "suffix", "prediction")
 
 
 def scenarios() -> dict[str, Callable[[str], Section]]:
@@ -38,6 +38,7 @@ def scenarios() -> dict[str, Callable[[str], Section]]:
     from benchmarks.batch_speculation import batch_speculation_scenario
     from benchmarks.first_step import first_step_scenario
     from benchmarks.per_call import per_call_scenario
+    from benchmarks.prediction import prediction_scenario
     from benchmarks.prefill import prefill_scenario
     from benchmarks.prefix_store import prefix_store_scenario
     from benchmarks.quantized import quantized_scenario
@@ -66,6 +67,7 @@ def scenarios() -> dict[str, Callable[[str], Section]]:
         "prefill": prefill_scenario,
         "serve_anchor": serve_anchor_scenario,
         "suffix": suffix_scenario,
+        "prediction": prediction_scenario,
     }
 
 

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = [
     "append", "rollback", "memory", "persistence", "generation", "first_step", "speculation", "per_call",
     "prefix_store", "batch_speculation", "startup", "serve", "quantized", "prefill", "serve_anchor", "suffix",
+    "prediction",
 ]  # fmt: skip
 
 sys.path.insert(0, str(ROOT))
@@ -130,7 +131,7 @@ def test_only_and_script_entry_point(tmp_path: Path) -> None:
     assert list(json.loads((tmp_path / "results.json").read_text())["scenarios"]) == ["memory"]
     assert not list(tmp_path.glob("*.png"))
     scripts = ("run", "batch_speculation", "per_call", "prefix_store", "stateful_speculation", "startup", "serve",
-               "quantized", "serve_anchor", "suffix")
+               "quantized", "serve_anchor", "suffix", "prediction")
     if os.environ.get("KVCACHE_SLOW") != "1":  # each imports torch: a few by default, every one with KVCACHE_SLOW=1
         scripts = ("run", "serve", "suffix")
     # each script imports torch (seconds): started together, waited for together

@@ -1,9 +1,11 @@
 """Text generation with kvcache caches: `generate`, its stop checks, sampling and streamers, and
-speculative decoding (`speculative_generate` with a draft model, prompt lookup or suffix drafting)."""
+speculative decoding (`speculative_generate` with a draft model, prompt lookup, suffix drafting or a
+predicted output)."""
 
 from .draft_schedule import DraftGate
 from .drafters import Draft, Drafter, ModelDrafter, PromptLookupDrafter
 from .driver import GenerationOutput, generate
+from .prediction import PredictionDrafter
 from .sampling import Sampling
 from .speculative import SpeculativeOutput, speculative_generate
 from .speculative_batch import BatchSpeculativeOutput
@@ -18,6 +20,7 @@ __all__ = [
     "Drafter",
     "GenerationOutput",
     "ModelDrafter",
+    "PredictionDrafter",
     "PromptLookupDrafter",
     "Sampling",
     "BatchSpeculativeOutput",

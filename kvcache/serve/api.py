@@ -104,6 +104,17 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
                            "this server takes", param="prompt", code="context_length_exceeded")  # fmt: skip
         return ids
 
+    def encoded_prediction(text: str) -> list[int]:
+        """A chat's predicted output as tokens of its answer (no special tokens), checked as a prompt is."""
+        try:
+            ids = served.encode(text, add_special_tokens=False)
+        except KVCacheError as err:
+            raise ApiError(400, f"the prediction cannot be encoded: {err}", param="prediction") from None
+        if len(ids) > limits.max_prompt_tokens:
+            raise ApiError(400, f"the prediction has {len(ids)} tokens, more than the {limits.max_prompt_tokens} "
+                           "this server takes", param="prediction")  # fmt: skip
+        return ids
+
     def room(prompt: list[int], params: Params, chat: bool) -> int:
         """The new tokens a prompt's answer may have: `max_tokens`, or where the request left it
         out the server's default cut to what the model's context leaves (a 400 where it leaves
@@ -135,6 +146,7 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
         sampling = Sampling(params.temperature > 0, params.temperature or 1.0, params.top_k, params.top_p,
                             params.min_p, params.logit_bias, params.presence_penalty, params.frequency_penalty,
                             params.repetition_penalty)  # fmt: skip
+        predicted = None if params.prediction is None else encoded_prediction(params.prediction)
         choices = []
         for i, (prompt, original, most) in enumerate(zip(prompts, params.prompts, rooms, strict=True)):
             for j in range(params.n):
@@ -142,7 +154,8 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
                 request = Request(prompt=prompt, max_tokens=most, sampling=sampling, seed=seed,
                                   logprobs=params.logprobs, grammar=params.grammar, stop_ids=params.stop_token_ids,
                                   ignore_eos=params.ignore_eos, min_tokens=min(params.min_tokens, most),
-                                  prompt_logprobs=params.logprobs if params.echo else None)  # fmt: skip
+                                  prompt_logprobs=params.logprobs if params.echo else None,
+                                  prediction=predicted)  # fmt: skip
                 shown = original if isinstance(original, str) and params.truncate is None else served.decode(prompt)
                 echo = shown if params.echo else None
                 choices.append(Completion(served, engine, request, params.stop, chat=chat, index=i * params.n + j,

@@ -14,6 +14,7 @@ from typing import Any
 from starlette.requests import Request as HttpRequest
 
 from ..generation.detokenize import Detokenizer
+from ..generation.prediction import prediction_usage
 from .engine import Request
 from .events import asyncio_sink
 from .logprobs import TokenLogprobs, chat_logprobs, completion_logprobs, echoed_logprobs, joined
@@ -199,8 +200,14 @@ def usage(choices: list[Completion]) -> dict[str, Any]:
     cached = sum(c.request.cached_tokens for c in choices if c.counts_prompt)
     out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
            "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+    details: dict[str, int] = {}
     if any(c.reasoning is not None for c in choices):  # a thinking model's: how much of the answer was reasoning
-        out["completion_tokens_details"] = {"reasoning_tokens": sum(map(reasoning_tokens, choices))}
+        details["reasoning_tokens"] = sum(map(reasoning_tokens, choices))
+    predicted = [prediction_usage(c.request.prediction, c.tokens) for c in choices if c.request.prediction]
+    if predicted:  # a predicted output's: how many of its tokens the answers took
+        details.update({key: sum(p[key] for p in predicted) for key in predicted[0]})
+    if details:
+        out["completion_tokens_details"] = details
     return out
 
 

@@ -37,6 +37,7 @@ from ..cache import Cache
 from ..errors import CacheInputError
 from ..generation.draft_schedule import DraftGate
 from ..generation.drafters import Drafter, ModelDrafter, PromptLookupDrafter
+from ..generation.prediction import PredictionDrafter
 from ..generation.suffix import SuffixDrafter
 from ..store.payloads import model_module, storable
 from . import prefill
@@ -105,6 +106,7 @@ class Engine:
             self.draft_rows = 1
         self.shadow_turn = 0  # the row the next step's shadow proposals start from
         self.metrics = metrics or Metrics()
+        self.drafts = [0, 0]  # draft tokens verified and accepted so far (the metrics' counts, relayed)
         self.speculative, self.max_batch, self.max_step_tokens = speculative, max_batch, max_step_tokens
         if any(not storable(layer, store.chunk_size) for layer in model.new_cache()):
             raise CacheInputError("the served model's cache has static layers, which the prefix store cannot keep")
@@ -258,6 +260,8 @@ class Engine:
             request.prompt_seen[torch.tensor(request.prompt, device=self.device)] = True
         if self.speculative:
             request.drafter = self._new_drafter()
+            if request.prediction:  # its predicted output first, the server's drafter after it
+                request.drafter = PredictionDrafter(request.prediction, request.drafter)
             request.drafter.start(request.prompt, device=self.device)
         ban_early_ends([request], logits, self.eos)
         self._emit(request, self._choose(request, logits), logits)
@@ -303,6 +307,9 @@ class Engine:
         rows_cap = self.draft_rows if self.draft_gate is not None or self.draft_rows == 1 else None
         if self.speculative and (rows_cap is None or len(self._rows) <= rows_cap):
             speculative_step(self)
+            return
+        if self.speculative and any(r.prediction for r in self._rows):  # past the cap: predicted rows draft
+            speculative_step(self, predicted_only=True)
             return
         self.draft_width = 0  # a plain step (or a batch too large to draft for)
         rows, cache = self._rows, self._cache
@@ -376,6 +383,10 @@ class Engine:
             self._finish(request, "stop")
         elif len(request.tokens) >= request.max_tokens:
             self._finish(request, "length")
+
+    def add_drafts(self, verified: int, accepted: int) -> None:
+        self.drafts = [self.drafts[0] + verified, self.drafts[1] + accepted]
+        self.metrics.add_drafts(verified, accepted)
 
     def _finish(self, request: Request, reason: str) -> None:
         request.finish_reason = reason

@@ -55,7 +55,8 @@ class EngineProcess:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # the pipe's sending end and the request table
         self._status: dict[str, int] = {"waiting": 0, "prefilling": 0, "running": 0, "batch_cache": 0,
-                                        "received": 0, "store_writes_pending": 0}  # fmt: skip
+                                        "received": 0, "store_writes_pending": 0, "draft_tokens": 0,
+                                        "draft_accepted": 0}  # fmt: skip
         self._sent = 0
         self._process: Any = None
         self._conn: Any = None
@@ -170,8 +171,11 @@ class EngineProcess:
         """One message of the child; False (and every request left answered) once it ended."""
         if message[0] == "events":
             self._dispatch(message[1])
+            drafts = [message[2]["draft_tokens"] - self._status["draft_tokens"],
+                      message[2]["draft_accepted"] - self._status["draft_accepted"]]  # fmt: skip
             self._status = message[2]
             self.metrics.batch_size.set(message[2]["running"])
+            self.metrics.add_drafts(*drafts)
             return True
         self._end()
         return False
@@ -274,7 +278,8 @@ def _fields(request: Request) -> dict[str, Any]:
     return {"prompt": request.prompt, "max_tokens": request.max_tokens, "sampling": request.sampling,
             "seed": request.seed, "stop_ids": request.stop_ids, "logprobs": request.logprobs,
             "prompt_logprobs": request.prompt_logprobs, "grammar": request.grammar,
-            "ignore_eos": request.ignore_eos, "min_tokens": request.min_tokens}  # fmt: skip
+            "ignore_eos": request.ignore_eos, "min_tokens": request.min_tokens,
+            "prediction": request.prediction}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ the child
@@ -298,7 +303,8 @@ class _Relay:
 
     def status(self) -> dict[str, int]:
         return {**self.engine.active, "received": self.received,
-                "store_writes_pending": self.engine.store_writes_pending}  # fmt: skip
+                "store_writes_pending": self.engine.store_writes_pending,
+                "draft_tokens": self.engine.drafts[0], "draft_accepted": self.engine.drafts[1]}  # fmt: skip
 
     def serve(self, conn: Any) -> None:
         """Take the server's messages until it says stop or goes away."""

@@ -1,6 +1,7 @@
 """What `GET /metrics` reports, in Prometheus' text format (`prometheus_client`, a registry of the
 server's own): requests by endpoint and status, prompt and generated tokens, prefix-store lookups,
-hits and tokens reused, the batch size, and time to first token."""
+hits and tokens reused, the batch size, time to first token, and draft tokens verified and
+accepted (their ratio is speculation's acceptance rate, as vLLM's spec-decode counters give it)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,16 @@ class Metrics:
         self.prefix_hits = Counter("kvcache_prefix_hits", "lookups that reused at least one chunk", registry=r)
         self.tokens_reused = Counter("kvcache_tokens_reused", "prompt tokens taken from the prefix store", registry=r)
         self.batch_size = Gauge("kvcache_batch_size", "requests decoded together now", registry=r)
+        self.draft_tokens = Counter("kvcache_draft_tokens", "draft tokens verified (speculative decoding)",
+                                    registry=r)  # fmt: skip
+        self.draft_tokens_accepted = Counter("kvcache_draft_tokens_accepted", "draft tokens the model accepted",
+                                             registry=r)  # fmt: skip
         self.time_to_first_token = Histogram("kvcache_time_to_first_token_seconds", "from arrival to first token",
                                              buckets=TTFT_BUCKETS, registry=r)  # fmt: skip
+
+    def add_drafts(self, verified: int, accepted: int) -> None:
+        self.draft_tokens.inc(verified)
+        self.draft_tokens_accepted.inc(accepted)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

@@ -29,6 +29,7 @@ class Request:
     logprobs: int | None = None  # tokens come with their log probabilities and this many alternatives
     prompt_logprobs: int | None = None  # the prompt's, first (a "prompt" event), with this many alternatives
     grammar: str | None = None  # the answer is held to this llguidance grammar (`grammar.grammar_of`)
+    prediction: list[int] | None = None  # the tokens the answer is predicted to repeat (drafted from)
     id: str = ""
     on_event: Callable[[tuple[str, Any]], None] = lambda event: None
     created: float = field(default_factory=time.monotonic)

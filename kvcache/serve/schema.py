@@ -19,6 +19,7 @@ from typing import Any
 
 from .api_error import ApiError
 from .grammar import grammar_of
+from .prediction import predicted_text
 from .tools import assistant_calls, check_tools, forced_tool
 
 __all__ = ["ApiError", "Limits", "Params", "chat_params", "completion_params", "parse_json"]
@@ -50,7 +51,7 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed
           "include_stop_str_in_output", "truncate_prompt_tokens"}  # fmt: skip
 COMPLETION_FIELDS = COMMON | {"prompt"} | set(NEUTRAL) | IGNORED
 CHAT_FIELDS = (COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs", "add_generation_prompt",
-                         "continue_final_message"} | set(NEUTRAL) | IGNORED)  # fmt: skip
+                         "continue_final_message", "prediction"} | set(NEUTRAL) | IGNORED)  # fmt: skip
 #: `apply_chat_template`'s own parameters, which `chat_template_kwargs` may not set.
 TEMPLATE_PARAMETERS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
                        "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
@@ -116,6 +117,7 @@ class Params:
     min_tokens: int = 0
     include_stop: bool = False
     truncate: int | None = None  # vLLM's `truncate_prompt_tokens`: the prompt's last so many tokens (-1: all taken)
+    prediction: str | None = None  # a chat's predicted output (`prediction.predicted_text`), drafted from
 
 
 #: JSON nested deeper than this is refused (a request needs 4 levels; Python's parser recurses).
@@ -334,6 +336,7 @@ def chat_params(body: dict[str, Any], model: str | tuple[str, ...], limits: Limi
     params.tools = check_tools(body)
     params.forced_tool = forced_tool(body, params.tools)
     params.grammar = grammar_of(body.get("response_format"))
+    params.prediction = predicted_text(body.get("prediction"))
     if params.grammar is not None and params.tools is not None:
         raise ApiError(400, "response_format with tools is not supported: an answer held to a format cannot call "
                        "tools (send tool_choice \"none\" or no tools)", param="response_format")  # fmt: skip

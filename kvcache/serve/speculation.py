@@ -26,6 +26,7 @@ import torch
 
 from ..generation.draft_schedule import packed_tokens
 from ..generation.drafters import Draft, Drafter
+from ..generation.prediction import PREDICTED_MATCH
 from ..generation.switches import holds_recurrent_states
 from ..generation.verifier import Verifier
 from .row_tokens import ban_early_ends
@@ -47,13 +48,15 @@ def _cut(draft: Draft, n: int) -> Draft:
     return Draft(draft.tokens[:n], None if draft.probs is None else draft.probs[:n], draft.match)
 
 
-def speculative_step(engine: Any) -> None:
+def speculative_step(engine: Any, predicted_only: bool = False) -> None:
+    """One decode step of every row with drafts (`predicted_only`: only rows with a predicted
+    output draft; the batch is past the rows the server drafts for)."""
     rows, cache, gate = engine._rows, engine._cache, engine.draft_gate
     started = time.perf_counter()
     # Sampling rows draft too: the gate's drafts are point masses, verified by the row's own draws
     # in turn (`Verifier.verify`), so a seeded row's tokens are those of plain steps, seed for seed,
     # however much timing lets it draft.
-    asked = [engine.speculative] * len(rows)
+    asked = [engine.speculative if r.prediction or not predicted_only else 0 for r in rows]
     if gate is not None and not gate.worth_asking(len(rows), engine.speculative):
         # no width could pay: a few rows (in turn) are asked for one token, judged as shadows
         shadows, first = gate.shadow_rows(len(rows)), engine.shadow_turn
@@ -68,6 +71,8 @@ def speculative_step(engine: Any) -> None:
         verifier = Verifier(request.sampling, request.generator)  # a draft model picks as the row samples
         verifiers.append(verifier)
         offered.append(request.drafter.propose(sequence, budget, verifier.pick) if budget > 0 else NO_DRAFT)
+    if predicted_only:  # past the rows the server drafts for: predictions' drafts alone
+        offered = [d if d.match >= PREDICTED_MATCH else NO_DRAFT for d in offered]
     drafts = offered
     if gate is not None:  # as many draft tokens per row as the rows' matches pay for, in one width
         most = gate.batch_width([(len(d.tokens), d.match) for d in offered], engine.speculative)
@@ -92,6 +97,7 @@ def speculative_step(engine: Any) -> None:
                 else _greedy(draft, choices[b]) if verifier.sampling.argmax_only
                 else verifier.verify(draft, logits[b, : len(draft.tokens) + 1], rows[b].counts, rows[b].prompt_seen)
                 for b, (verifier, draft) in enumerate(zip(verifiers, drafts, strict=True))]  # fmt: skip
+    engine.add_drafts(sum(len(d.tokens) for d in drafts), sum(accepted for accepted, _ in verdicts))
     if width > 1:
         drops = [width - 1 - accepted for accepted, _ in verdicts]
         if any(drops):

@@ -1,0 +1,140 @@
+"""Predicted outputs (OpenAI's `prediction`): a text the answer is expected to largely repeat (a
+file being edited, a document being revised) drafts the answer, and the target verifies it.
+
+`PredictionTrack` follows where the answer is in the predicted tokens: each answer token that is
+the next predicted one moves it on. One that is not (the answer inserted, dropped or changed
+something) moves it after the nearest later occurrence of the answer's last three, two or one
+tokens (the nearest of the three; a single token only within `NEAR` tokens: a common token far
+ahead is noise); with none later, after the nearest earlier occurrence of the last three or two
+(the answer repeats itself); else it stays (an insertion: the prediction picks up again after
+it). A wrong guess is corrected by the next tokens. The predicted tokens it counts as taken have
+increasing positions, so they are a common subsequence of prediction and answer: OpenAI's
+accepted prediction tokens. Following costs O(log n) per answer token (an index of the
+prediction's n-grams, built once).
+
+`PredictionDrafter` drafts the prediction's next tokens from there, unless another drafter
+(prompt lookup; a draft model, which says no match) continues a longer match than the answer's
+latest run of predicted tokens, or the prediction has nothing left. Drafts are point
+masses verified like any other, so the answer is the target's own, token for token.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Sequence
+
+import torch
+
+from ..cache import Cache
+from .drafters import Draft, Drafter, DraftPicker
+
+#: `Draft.match` of a prediction's drafts, plus the answer tokens just before that followed the
+#: prediction in a row (at most `RUN_CAP`): the schedule judges each apart (from lookups' too), so
+#: a prediction the answer keeps to drafts long, one it just left (or never took) hardly at all.
+PREDICTED_MATCH = 1 << 20
+RUN_CAP = 16
+#: A single token re-aligns the track only this close ahead (a common token far ahead is noise).
+NEAR = 16
+
+
+class PredictionTrack:
+    """Where an answer is in a predicted token list (see the module's docstring)."""
+
+    def __init__(self, predicted: Sequence[int]) -> None:
+        self.predicted = [int(t) for t in predicted]
+        self.cursor = 0  # the predicted token the answer's next token is expected to be
+        self.taken = 0  # answer tokens counted as predicted ones (at increasing positions)
+        self.followed = 0  # answer tokens followed so far
+        self.run = 0  # the last answer tokens that followed the prediction in a row (to the cursor)
+        self._last_taken = -1  # the position of the last predicted token counted
+        self._ends: dict[tuple[int, ...], list[int]] = {}  # n-gram (n = 1..3) -> where its occurrences end
+        for n in (1, 2, 3):
+            for end in range(n - 1, len(self.predicted)):
+                self._ends.setdefault(tuple(self.predicted[end - n + 1 : end + 1]), []).append(end)
+
+    def follow(self, answer: Sequence[int]) -> None:
+        """Catch up with `answer` (the answer so far: what was followed before, and more)."""
+        for end in range(self.followed, len(answer)):
+            token = int(answer[end])
+            at = self.cursor if self.cursor < len(self.predicted) and self.predicted[self.cursor] == token else None
+            self.run = self.run + 1 if at is not None else 0
+            if at is None:
+                at, self.run = self._realigned(answer, end)
+            if at is None:
+                continue
+            self.cursor = at + 1
+            if at > self._last_taken:
+                self.taken, self._last_taken = self.taken + 1, at
+        self.followed = len(answer)
+
+    def _realigned(self, answer: Sequence[int], end: int) -> tuple[int | None, int]:
+        """Where in the prediction the answer's token `end` (not the one expected) stands, if found,
+        and how many answer tokens that found."""
+        later, earlier = [], []
+        for n in (3, 2, 1):
+            ends = self._ends.get(tuple(int(t) for t in answer[end + 1 - n : end + 1])) if end + 1 >= n else None
+            if not ends:
+                continue
+            i = bisect_left(ends, self.cursor)
+            if i < len(ends) and (n > 1 or ends[i] - self.cursor < NEAR):
+                later.append((ends[i] - self.cursor, -n, ends[i]))
+            if i > 0 and n > 1:
+                earlier.append((self.cursor - ends[i - 1], -n, ends[i - 1]))
+        found = min(later) if later else min(earlier) if earlier else None
+        return (None, 0) if found is None else (found[2], -found[1])
+
+    def next_tokens(self, count: int) -> list[int]:
+        """Up to `count` predicted tokens from the cursor on."""
+        return self.predicted[self.cursor : self.cursor + max(count, 0)]
+
+
+class PredictionDrafter(Drafter):
+    """Drafts a request's predicted tokens where the answer is in them, else asks `fallback`."""
+
+    def __init__(self, predicted: Sequence[int], fallback: Drafter | None = None) -> None:
+        self.track = PredictionTrack(predicted)
+        self.fallback = fallback
+        self.reports_match = fallback is None or fallback.reports_match
+        self.samples = fallback is not None and fallback.samples
+        self._prompt_length = 0
+
+    @property
+    def forwards(self) -> int:  # type: ignore[override]
+        return self.fallback.forwards if self.fallback is not None else 0
+
+    @property
+    def cache(self) -> Cache | None:
+        return self.fallback.cache if self.fallback is not None else None
+
+    def start(self, prompt: Sequence[int], *, device: torch.device, **encoder: torch.Tensor | None) -> None:
+        self._prompt_length = len(prompt)
+        if self.fallback is not None:
+            self.fallback.start(prompt, device=device, **encoder)
+
+    def propose(self, sequence: Sequence[int], num_tokens: int, pick: DraftPicker) -> Draft:
+        if num_tokens <= 0:
+            return Draft([])
+        self.track.follow(sequence[self._prompt_length :])
+        # from the answer's start, or where its last token was a predicted one (after a token the
+        # prediction lacks, its next tokens are rarely the answer's)
+        following = self.track.followed == 0 or self.track.run > 0
+        predicted = self.track.next_tokens(num_tokens) if following else []
+        fallback = self.fallback
+        # not deep in the prediction: a lookup's draft where it continues a longer match (a model's
+        # drafts, which cost a forward and say no match, only where the prediction has none)
+        if fallback is not None and (not predicted or (fallback.reports_match and self.track.run < RUN_CAP)):
+            other = fallback.propose(sequence, num_tokens, pick)
+            if other.tokens and (not predicted or other.match > self.track.run):
+                return other
+        return Draft(predicted, match=PREDICTED_MATCH + min(self.track.run, RUN_CAP)) if predicted else Draft([])
+
+    def accept(self, sequence: Sequence[int]) -> str:
+        return self.fallback.accept(sequence) if self.fallback is not None else Drafter.accept(self, sequence)
+
+
+def prediction_usage(predicted: Sequence[int], answer: Sequence[int]) -> dict[str, int]:
+    """OpenAI's `completion_tokens_details` of a predicted answer: the predicted tokens that
+    appeared in it (as `PredictionTrack` follows it) and those that did not."""
+    track = PredictionTrack(predicted)
+    track.follow(answer)
+    return {"accepted_prediction_tokens": track.taken, "rejected_prediction_tokens": len(predicted) - track.taken}
