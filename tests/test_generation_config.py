@@ -45,6 +45,8 @@ def test_the_file_settings_are_read_as_written(tmp_path: Path) -> None:
     assert read_sampling_defaults(tmp_path) == {"temperature": 0.0, "top_p": 0.8}
     written(tmp_path, {"temperature": None, "top_k": 5})
     assert read_sampling_defaults(tmp_path) == {"top_k": 5}
+    written(tmp_path, {"max_new_tokens": 512, "max_length": 20})  # the answer's length (max_length is not)
+    assert read_sampling_defaults(tmp_path) == {"max_new_tokens": 512}
 
 
 @pytest.mark.parametrize(("settings", "field"), [({"temperature": "hot"}, "temperature"),
@@ -54,7 +56,9 @@ def test_the_file_settings_are_read_as_written(tmp_path: Path) -> None:
                                                  ({"top_k": -3}, "top_k"), ({"top_k": 2.5}, "top_k"),
                                                  ({"min_p": 2}, "min_p"),
                                                  ({"repetition_penalty": 0}, "repetition_penalty"),
-                                                 ({"repetition_penalty": 2.5}, "repetition_penalty")])  # fmt: skip
+                                                 ({"repetition_penalty": 2.5}, "repetition_penalty"),
+                                                 ({"max_new_tokens": 0}, "max_new_tokens"),
+                                                 ({"max_new_tokens": 2.5}, "max_new_tokens")])  # fmt: skip
 def test_a_setting_out_of_range_is_left_out_with_a_warning(tmp_path: Path, settings: dict, field: str) -> None:
     written(tmp_path, {**settings, "top_p": settings.get("top_p", 0.5)} if field != "top_p" else settings)
     with pytest.warns(UserWarning, match=field):
@@ -191,7 +195,7 @@ def test_serve_takes_the_directory_settings_unless_a_request_names_one(dirs, tmp
         assert (reported.temperature, reported.top_p) == (0.7, 0.9)
     finally:
         server.stop()
-    assert "sampling defaults from its generation_config.json: temperature 0.7, top_p 0.9, top_k 1, " \
+    assert "defaults from its generation_config.json: temperature 0.7, top_p 0.9, top_k 1, " \
            "repetition_penalty 1.3" in (
         (tmp_path / "serve.log").read_text())
 
@@ -286,3 +290,28 @@ def test_batched_speculation_penalizes_each_row_for_its_own_tokens(bundled) -> N
     unpenalized = speculative_generate(model, Foreseeing(), ids, attention_mask=mask, max_new_tokens=16,
                                        num_draft_tokens=4, draft_schedule="constant")  # fmt: skip
     assert [row[:16] for row in unpenalized.new_tokens] != expected
+
+
+def test_the_files_max_new_tokens_is_the_default_length(dirs, capsys, tmp_path: Path) -> None:
+    """As transformers' `generate` and vLLM take it: `kvcache generate` without `--max-new-tokens`, a
+    request without `max_tokens`; a flag or the request's own still wins."""
+    plain, _ = dirs
+    limited = written(Path(shutil.copytree(plain, tmp_path / "limited")), {"bos_token_id": 1, "max_new_tokens": 5})
+    args = ["generate", "--model", str(limited), PROMPT, "--temperature", "0", "--ignore-eos", "--device", "cpu"]
+    for extra, count in (((), 5), (("--max-new-tokens", "9"), 9)):
+        assert main([*args, *extra]) == 0
+        assert f"generated {count} tokens" in capsys.readouterr().err
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("starlette")
+    for flags, count in (((), 5), (("--default-max-tokens", "3"), 3)):
+        server = ServeProcess("--model", str(limited), "--threads", "1", *flags).start(tmp_path / "serve.log")
+        try:
+            c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+            answer = c.completions.create(model=limited.name, prompt=PROMPT, temperature=0,
+                                          extra_body={"ignore_eos": True})  # fmt: skip
+            assert answer.usage.completion_tokens == count, flags
+            asked = c.completions.create(model=limited.name, prompt=PROMPT, max_tokens=7,
+                                         extra_body={"ignore_eos": True})  # fmt: skip
+            assert asked.usage.completion_tokens == 7
+        finally:
+            server.stop()

@@ -42,9 +42,10 @@ def add_parser(subparsers: Any) -> None:
     add_model_arguments(parser, draft_model=True, speculative_default=" (the default)")
     parser.add_argument("--chat", action="store_true",
                         help="send the prompt as a user message through the model's chat template")
-    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
-                        help=f"tokens to generate (default {DEFAULT_MAX_NEW_TOKENS}; 0 only builds the prompt's cache)")
     model_says = "; for --model DIR, the directory's generation_config.json setting where it has one"
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help=f"tokens to generate (default {DEFAULT_MAX_NEW_TOKENS}{model_says}; 0 only builds the "
+                        "prompt's cache)")
     parser.add_argument("--temperature", type=float, default=None,
                         help=f"sampling temperature (default {DEFAULT_TEMPERATURE}{model_says}; 0 means greedy)")
     parser.add_argument("--top-k", type=int, default=None,
@@ -119,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     from ..generation import TextStreamer, generate, speculative_generate
     from ..persistence import load_cache
 
-    if args.max_new_tokens < 0:
+    if args.max_new_tokens is not None and args.max_new_tokens < 0:
         raise GenerationError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if args.min_new_tokens < 0:
         raise GenerationError(f"--min-new-tokens must be >= 0, got {args.min_new_tokens}")
@@ -140,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
     served = load_model(args, device)
     served.model.kv_bits = args.kv_bits  # new_cache() builds quantized attention layers (the store's too)
     settings = sampling_settings(args, served.sampling)
+    if args.max_new_tokens is None:  # (as transformers' generate takes the file's max_new_tokens)
+        args.max_new_tokens = int(served.sampling.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
     sampling = settings["temperature"] > 0
     drafter = load_drafter(args, served)
     ids = _encode(served, text, args.chat)

@@ -21,6 +21,8 @@ from .model_args import (
 )
 
 API_KEY_ENV = "KVCACHE_API_KEY"
+#: max_tokens of a request that gives none, where neither the flag nor the model's files say
+DEFAULT_MAX_TOKENS = 128
 
 
 def add_parser(subparsers: Any) -> None:
@@ -58,8 +60,9 @@ def add_parser(subparsers: Any) -> None:
                         "the model's config names, which is also the most taken)")
     parser.add_argument("--max-prompt-tokens", type=int, default=8192, help="longest prompt taken (default 8192)")
     parser.add_argument("--max-tokens", type=int, default=4096, help="largest max_tokens taken (default 4096)")
-    parser.add_argument("--default-max-tokens", type=int, default=128,
-                        help="max_tokens when a request gives none (default 128, at most --max-tokens)")
+    parser.add_argument("--default-max-tokens", type=int, default=None,
+                        help=f"max_tokens when a request gives none (default {DEFAULT_MAX_TOKENS}, or --model DIR's "
+                        "generation_config.json max_new_tokens, as vLLM takes it; at most --max-tokens)")
     parser.add_argument("--max-waiting", type=int, default=256,
                         help="requests queued (not yet prefilling) at most; more get a 429 (default 256)")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
@@ -192,6 +195,14 @@ def model_names(args: argparse.Namespace, name: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys((name, *given)))
 
 
+def default_max_tokens(args: argparse.Namespace, served: Any) -> int:
+    """A request's max_tokens where it gives none: `--default-max-tokens`, else the served
+    directory's `generation_config.json` max_new_tokens (vLLM's default), else `DEFAULT_MAX_TOKENS`."""
+    if args.default_max_tokens is not None:
+        return args.default_max_tokens
+    return int(served.sampling.get("max_new_tokens", DEFAULT_MAX_TOKENS))
+
+
 def context_length(args: argparse.Namespace, served: Any) -> int | None:
     """The most tokens a prompt and its answer may hold together: `--max-model-len`, at most the
     context the model's config names (vLLM's rule), which is the default (None: no limit)."""
@@ -273,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
         raise GenerationError(f"--max-model-len must be >= 1, got {args.max_model_len}")
     for name in ("max_batch", "max_step_tokens", "max_prompt_tokens", "max_tokens", "default_max_tokens",
                  "max_body_bytes", "max_waiting"):  # fmt: skip
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise GenerationError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 <= args.port < 65536:
         raise GenerationError(f"--port must be in [0, 65535], got {args.port}")
@@ -317,8 +328,8 @@ def run(args: argparse.Namespace) -> int:
             engine.store.close()
         raise
     limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
-                    max_tokens=args.max_tokens, default_max_tokens=min(args.default_max_tokens, args.max_tokens),
-                    max_waiting=args.max_waiting, context_length=context)  # fmt: skip
+                    max_tokens=args.max_tokens, max_waiting=args.max_waiting, context_length=context,
+                    default_max_tokens=min(default_max_tokens(args, served), args.max_tokens))  # fmt: skip
     names = model_names(args, served.name)
     app = create_app(served, engine, limits=limits, api_key=key, names=names)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=args.access_log,
@@ -332,7 +343,7 @@ def run(args: argparse.Namespace) -> int:
         port = sockets[0].getsockname()[1] if sockets else args.port
         auth = ", API key required" if key else ""
         said = describe(served.sampling)
-        sampling = f"; sampling defaults from its generation_config.json: {said}" if said else ""
+        sampling = f"; defaults from its generation_config.json: {said}" if said else ""
         print(f"kvcache serve: {names[0]} on http://{args.host}:{port}/v1 (prefix store {store_location}{auth})"
               f"{sampling}", file=sys.stderr, flush=True)  # fmt: skip
 

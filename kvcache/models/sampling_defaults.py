@@ -2,7 +2,8 @@
 
 Model authors write there how their model is meant to be sampled (Qwen3: temperature 0.6, top-k
 20, top-p 0.95; Llama 3: temperature 0.6, top-p 0.9; Gemma 3: top-k 64, top-p 0.95; some a
-repetition penalty), and transformers' `generate`, `transformers serve` and vLLM start from it:
+repetition penalty; some how long an answer may run, `max_new_tokens`), and transformers'
+`generate`, `transformers serve` and vLLM start from it:
 a request or a flag that names a setting overrides it, one that does not gets the model's. Only
 what the file writes is taken (as vLLM takes it), so a directory that says nothing keeps the
 caller's own defaults; a file that sets `do_sample` to false asks for greedy decoding
@@ -21,21 +22,22 @@ from typing import Any
 #: The file's settings taken, each with the range it must lie in (`low_open`: the low end excluded).
 RANGES: dict[str, tuple[float, float, bool]] = {"temperature": (0.0, 2.0, False), "top_p": (0.0, 1.0, True),
                                                 "top_k": (0, 1 << 31, False), "min_p": (0.0, 1.0, False),
-                                                "repetition_penalty": (0.0, 2.0, True)}  # fmt: skip
+                                                "repetition_penalty": (0.0, 2.0, True),
+                                                "max_new_tokens": (1, 1 << 31, False)}  # fmt: skip
 
 
 def _valid(name: str, value: Any) -> bool:
     low, high, low_open = RANGES[name]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return False
-    if name == "top_k" and not isinstance(value, int):
+    if name in ("top_k", "max_new_tokens") and not isinstance(value, int):
         return False
     return (low < value if low_open else low <= value) and value <= high
 
 
 def read_sampling_defaults(directory: str | Path) -> dict[str, float | int]:
-    """`{"temperature": ..., "top_p": ..., "top_k": ..., "min_p": ..., "repetition_penalty": ...}`,
-    the ones the directory's `generation_config.json` sets (none without the file); `do_sample:
+    """`{"temperature": ..., "top_p": ..., "top_k": ..., "min_p": ..., "repetition_penalty": ...,
+    "max_new_tokens": ...}`, the ones the directory's `generation_config.json` sets (none without the file); `do_sample:
     false` there gives a temperature of 0. A file that is not a JSON object, or a value that is not
     a number in range, is left out with a warning naming it."""
     path = Path(directory) / "generation_config.json"
