@@ -168,13 +168,13 @@ def test_a_flag_out_of_range_is_refused_whatever_the_file_says(dirs, capsys) -> 
 
 # ------------------------------------------------------------------------------------- the server
 def test_serve_takes_the_directory_settings_unless_a_request_names_one(dirs, tmp_path: Path) -> None:
-    openai = pytest.importorskip("openai")
+    pytest.importorskip("openai")
     pytest.importorskip("starlette")
     _, recommending = dirs
     server = ServeProcess("--model", str(recommending), "--threads", "1", "--dtype", "float64").start(
         tmp_path / "serve.log")
     try:
-        c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        c = server.client()
         name = recommending.name
 
         def complete(**options) -> str:
@@ -301,12 +301,12 @@ def test_the_files_max_new_tokens_is_the_default_length(dirs, capsys, tmp_path: 
     for extra, count in (((), 5), (("--max-new-tokens", "9"), 9)):
         assert main([*args, *extra]) == 0
         assert f"generated {count} tokens" in capsys.readouterr().err
-    openai = pytest.importorskip("openai")
+    pytest.importorskip("openai")
     pytest.importorskip("starlette")
     for flags, count in (((), 5), (("--default-max-tokens", "3"), 3)):
         server = ServeProcess("--model", str(limited), "--threads", "1", *flags).start(tmp_path / "serve.log")
         try:
-            c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+            c = server.client()
             answer = c.completions.create(model=limited.name, prompt=PROMPT, temperature=0,
                                           extra_body={"ignore_eos": True})  # fmt: skip
             assert answer.usage.completion_tokens == count, flags

@@ -61,12 +61,9 @@ def server(tmp_path_factory):
     yield from module_server(tmp_path_factory)
 
 
-def client(server: ServeProcess, key: str = "unused") -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=60)
-
 
 def test_completions_and_chat_streamed_and_whole_equal_a_run_alone(server, reference) -> None:
-    c = client(server)
+    c = server.client()
     prompt = "The value of the "
     want = reference(prompt, 40)
     whole = c.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0)
@@ -92,7 +89,7 @@ def test_completions_and_chat_streamed_and_whole_equal_a_run_alone(server, refer
 
 
 def test_sixteen_concurrent_requests_each_equal_its_run_alone(server, reference) -> None:
-    c = client(server)
+    c = server.client()
 
     def ask(prompt: str) -> str:
         return c.completions.create(model=MODEL, prompt=prompt, max_tokens=48, temperature=0).choices[0].text
@@ -105,7 +102,7 @@ def test_sixteen_concurrent_requests_each_equal_its_run_alone(server, reference)
 def test_a_second_turn_reuses_the_first_prompt_and_answer(server) -> None:
     """The answer's chunks were stored while it was decoded: turn 2 reports `cached_tokens` of at
     least turn 1's prompt and answer minus one chunk (16 tokens)."""
-    c = client(server)
+    c = server.client()
     messages = [{"role": "user", "content": "Tell me about the list type, at length."}]
     first = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0)
     answer = first.choices[0].message.content
@@ -116,7 +113,7 @@ def test_a_second_turn_reuses_the_first_prompt_and_answer(server) -> None:
 
 
 def test_stop_strings_and_seeded_sampling(server, reference) -> None:
-    c = client(server)
+    c = server.client()
     prompt = "The value of the "
     full = reference(prompt, 40)
     stop = full[10:13]
@@ -170,7 +167,7 @@ def test_bad_requests_get_openai_style_errors_and_change_nothing(server) -> None
         error = answer.json()["error"]
         assert words in error["message"] and error["type"] and "Traceback" not in answer.text, (words, error)
     with pytest.raises(openai.BadRequestError):
-        client(server).completions.create(model=MODEL, prompt="x", temperature=-1)
+        server.client().completions.create(model=MODEL, prompt="x", temperature=-1)
     assert server.health()["running"] == 0 and server.health()["waiting"] == 0
 
 
@@ -183,8 +180,8 @@ def test_an_api_key_is_required_and_never_logged(tmp_path: Path) -> None:
             answer = httpx.get(f"{process.url}/v1/models", headers=headers, timeout=10)
             assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key"
         with pytest.raises(openai.AuthenticationError):
-            client(process, "wrong").models.list()
-        assert client(process, "sekrit-key-123").models.list().data[0].id == MODEL
+            process.client("wrong").models.list()
+        assert process.client("sekrit-key-123").models.list().data[0].id == MODEL
         assert httpx.get(f"{process.url}/health", timeout=10).status_code == 200  # health needs no key
     finally:
         assert process.terminate() == 0
@@ -210,7 +207,7 @@ def test_sigterm_lets_in_flight_requests_finish(tmp_path: Path, reference) -> No
     result: dict = {}
 
     def ask() -> None:
-        result["text"] = client(process).completions.create(model=MODEL, prompt="The value of the ", max_tokens=300,
+        result["text"] = process.client().completions.create(model=MODEL, prompt="The value of the ", max_tokens=300,
                                                             temperature=0).choices[0].text  # fmt: skip
 
     thread = threading.Thread(target=ask)
@@ -223,7 +220,7 @@ def test_sigterm_lets_in_flight_requests_finish(tmp_path: Path, reference) -> No
 
 
 def test_metrics_count_requests_tokens_and_reuse(server) -> None:
-    c = client(server)
+    c = server.client()
     for _ in range(2):
         c.completions.create(model=MODEL, prompt="A prompt long enough to fill two chunks of sixteen.", max_tokens=5,
                              temperature=0)  # fmt: skip
@@ -241,7 +238,7 @@ def test_prompt_lookup_speculation_gives_each_row_its_run_alone(tmp_path: Path, 
     process = ServeProcess("--dtype", "float64", "--threads", "1", "--speculative", "4")
     process.start(tmp_path / "stderr.log")
     try:
-        c = client(process)
+        c = process.client()
         prompts = [p * 3 for p in PROMPTS]  # repetitive text: drafts get accepted
 
         def ask(prompt: str) -> str:
@@ -264,7 +261,7 @@ def test_quantized_serving_gives_each_row_its_run_alone_with_the_same_quantized_
     process = ServeProcess("--dtype", "float64", "--threads", "1", "--kv-bits", "4", *speculative)
     process.start(tmp_path / "stderr.log")
     try:
-        c = client(process)
+        c = process.client()
         prompts = [p * (1 + i % 4) for i, p in enumerate(PROMPTS[:8])]  # 5 to 30 tokens: every padding
 
         def ask(prompt: str) -> str:
@@ -300,7 +297,7 @@ def test_a_transformers_model_directory_is_served(tmp_path: Path) -> None:
     process = ServeProcess("--model", str(where), "--dtype", "float64", "--threads", "1")
     process.start(tmp_path / "stderr.log")
     try:
-        c = client(process)
+        c = process.client()
         assert c.models.list().data[0].id == "tiny-llama"
         prompts = ["The value of the", "the sum of its", "The cache is", "tokens. The"]
         with concurrent.futures.ThreadPoolExecutor(4) as pool:

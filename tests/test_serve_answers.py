@@ -51,9 +51,6 @@ def reference():
     return logp, tokenizer
 
 
-def client(server: ServeProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
-
 
 def check_chat(content: list, text: str, expected: torch.Tensor, tokenizer, top: int, greedy: bool = True) -> None:
     """Chat `logprobs.content` against the reference: one entry per token of `text`, each token's
@@ -73,7 +70,7 @@ def check_chat(content: list, text: str, expected: torch.Tensor, tokenizer, top:
 
 def test_chat_logprobs_equal_the_models_distribution_whole_and_streamed(server, reference) -> None:
     logp, tokenizer = reference
-    c = client(server)
+    c = server.client()
     messages = [{"role": "user", "content": "What is a list?"}]
     whole = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0, logprobs=True,
                                       top_logprobs=3)  # fmt: skip
@@ -99,7 +96,7 @@ def test_completion_logprobs_count_the_tokens_usage_counts(server, reference) ->
     text offsets; cut by a stop string, one entry per token `usage` counts (the stop's last
     token included), streamed or whole alike."""
     logp, tokenizer = reference
-    c = client(server)
+    c = server.client()
     prompt = "The value of the "
     full = c.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0, logprobs=2)
     text, given = full.choices[0].text, full.choices[0].logprobs
@@ -134,7 +131,7 @@ def test_sampled_tokens_carry_the_models_own_log_probabilities(server, reference
     """At temperature 1.5 with a seed: each token's log probability is the model's (before the
     temperature), whichever token was drawn, and the alternatives are still the model's top ones."""
     logp, tokenizer = reference
-    answer = client(server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+    answer = server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
                                                     max_tokens=20, temperature=1.5, seed=5, logprobs=True,
                                                     top_logprobs=2)  # fmt: skip
     text = answer.choices[0].message.content
@@ -161,7 +158,7 @@ def test_several_prompts_and_n_choices_each_equal_their_request_alone(server, re
     `n` per prompt, each greedy text what the prompt alone gives, whole and streamed; usage counts
     each prompt once and every choice's tokens."""
     _, tokenizer = reference
-    c = client(server)
+    c = server.client()
     prompts = ["The value of the ", "A list is ", "When the module "]
     alone = [c.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0).choices[0].text for p in prompts]
     answer = c.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=12, temperature=0)
@@ -187,7 +184,7 @@ def test_several_prompts_and_n_choices_each_equal_their_request_alone(server, re
 
 def test_n_seeded_chat_samples_are_the_requests_seeded_one_by_one(server) -> None:
     """Chat `n: 3` with a seed: choice j is what one request seeded `seed + j` samples."""
-    c = client(server)
+    c = server.client()
     messages = [{"role": "user", "content": "What is a key?"}]
     answer = c.chat.completions.create(model=MODEL, messages=messages, n=3, max_tokens=20, temperature=1.2, seed=7)
     one_by_one = [c.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=1.2,
@@ -259,7 +256,7 @@ def test_echo_returns_the_prompt_and_its_log_probabilities_before_the_answer(ser
     prompt's (from one forward over it, the first token's null) then the answer's, whole and
     streamed alike; `usage` counts the answer's tokens only."""
     score, tokenizer = scorer
-    c = client(server)
+    c = server.client()
     text = "The value of the list is"
     ids = tokenizer.encode(text)
     expected = score(ids)
@@ -340,7 +337,7 @@ def test_logit_bias_bans_and_forces_tokens_chat_and_completions(server, referenc
     the model's second choice there and never that token again; +100 forces a token at every
     step; log probabilities stay the model's own (before the bias); chat takes it too."""
     logp, tokenizer = reference
-    c = client(server)
+    c = server.client()
     prompt = "The value of the "
     text = c.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
     first = tokenizer.encode(text)[0]
@@ -378,7 +375,7 @@ def test_presence_and_frequency_penalties_through_the_official_client(server, re
     answer changes where the plain one repeats itself); log probabilities stay the model's own;
     chat takes them too; out of [-2, 2] they are 400s."""
     logp, tokenizer = reference
-    c = client(server)
+    c = server.client()
     prompt = "Hello Hello Hello "
     plain = c.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0).choices[0].text
     assert len(set(tokenizer.encode(plain))) < len(tokenizer.encode(plain))  # it repeats: penalties must bite

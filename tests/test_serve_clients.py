@@ -46,9 +46,6 @@ def alone():
     return run
 
 
-def client(server: ServeProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
-
 
 def post(server: ServeProcess, path: str, raw: bytes) -> httpx.Response:
     return httpx.post(server.url + path, content=raw, headers={"content-type": "application/json"}, timeout=30)
@@ -66,7 +63,7 @@ def test_malformed_bodies_are_400s(server) -> None:
 
 
 def test_neutral_values_are_accepted_and_others_refused(server, alone) -> None:
-    c = client(server)
+    c = server.client()
     want = alone("User: Hi\nAssistant:", 5)
     chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
                                      temperature=0, logprobs=False, response_format={"type": "text"},
@@ -81,7 +78,7 @@ def test_neutral_values_are_accepted_and_others_refused(server, alone) -> None:
 
 def test_top_k_is_taken(server, alone) -> None:
     """`top_k: 1` samples the argmax only: the greedy answer at any temperature."""
-    c = client(server)
+    c = server.client()
     want = alone("The value of the ", 20)
     got = c.completions.create(model=MODEL, prompt="The value of the ", max_tokens=20, temperature=1.5, seed=3,
                                extra_body={"top_k": 1}).choices[0].text  # fmt: skip
@@ -93,7 +90,7 @@ def test_top_k_is_taken(server, alone) -> None:
 def test_min_p_is_taken(server, alone) -> None:
     """`min_p: 1` keeps only the most likely token (the greedy answer at any temperature), through
     the official client's `extra_body` as vLLM users send it; a small min_p still samples."""
-    c = client(server)
+    c = server.client()
     prompt = "The value of the "
     want = alone(prompt, 20)
 
@@ -108,7 +105,7 @@ def test_min_p_is_taken(server, alone) -> None:
 def test_a_vanishing_temperature_decodes_greedily_and_hurts_no_one(server, alone) -> None:
     """temperature=1e-40 made NaN probabilities: that request never answered and every request in
     flight with it got a 500. Now it is greedy decoding, and the others get their own answers."""
-    c = client(server)
+    c = server.client()
     prompts = ["The value of the ", "The list of the ", "The name of the ", "The key of the "]
 
     def ask(i: int) -> str:
@@ -133,7 +130,7 @@ def test_stream_chunks_carry_usage_null_until_the_last(server) -> None:
 def test_completion_tokens_stop_at_the_stop_string(server, alone) -> None:
     """The engine decodes on while the web side finds a stop string: usage counts the tokens up to
     the one that completed it (the bundled model is character-level: one character a token)."""
-    c = client(server)
+    c = server.client()
     full = alone("The value of the ", 60)
     stop = full[8:11]
     cut = full.index(stop)
@@ -146,7 +143,7 @@ def test_completion_tokens_stop_at_the_stop_string(server, alone) -> None:
 
 def test_omitting_max_tokens_is_capped_by_the_server_limit(server) -> None:
     """`--max-tokens 64` with the default of 128: a request without max_tokens gets 64 at most."""
-    answer = client(server).completions.create(model=MODEL, prompt="The value of the ", temperature=0)
+    answer = server.client().completions.create(model=MODEL, prompt="The value of the ", temperature=0)
     assert answer.usage.completion_tokens == 64 and answer.choices[0].finish_reason == "length"
 
 

@@ -51,9 +51,6 @@ def reference(where: Path):
     return alone, tokenizer
 
 
-def client(process: ServeProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{process.url}/v1", api_key="unused", max_retries=0, timeout=60)
-
 
 def settled(process: ServeProcess) -> None:
     """Wait (bounded) until the server's store writer has written what it was handed."""
@@ -85,7 +82,7 @@ def test_hybrids_are_served_their_turns_reused_with_and_without_speculation(tmp_
     process = ServeProcess("--model", str(where), "--dtype", "float64", "--threads", "1", *flags)
     process.start(tmp_path / "stderr.log")
     try:
-        c = client(process)
+        c = process.client()
         prompts = ["The value of the cache is the", "the sum of its tokens. " * 3, "The cache is", "tokens. The"]
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             got = list(pool.map(lambda p: c.completions.create(model="tiny-lfm2", prompt=p, max_tokens=24,
@@ -116,7 +113,7 @@ def test_an_image_text_checkpoint_is_served_text(tmp_path: Path, kind: str) -> N
     process = ServeProcess("--model", str(where), "--dtype", "float64", "--threads", "1")
     process.start(tmp_path / "stderr.log")
     try:
-        c = client(process)
+        c = process.client()
         prompts = ["The value of the cache is the", "the sum of its tokens. " * 3, "The cache is", "tokens. The"]
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             got = list(pool.map(lambda p: c.completions.create(model=kind, prompt=p, max_tokens=16,
@@ -144,7 +141,7 @@ def test_the_same_weights_at_another_path_share_a_store(tmp_path: Path) -> None:
         for process in processes:
             process.wait_started()
         for process in processes:  # one after the other: the second asks once the first's writes are done
-            answer = client(process).completions.create(model="tiny-llama", prompt=prompt, max_tokens=8, temperature=0)
+            answer = process.client().completions.create(model="tiny-llama", prompt=prompt, max_tokens=8, temperature=0)
             answers.append(answer.choices[0].text)
             cached.append(answer.usage.prompt_tokens_details.cached_tokens)
             settled(process)
@@ -170,7 +167,7 @@ def test_a_model_answers_to_the_ids_vllm_gives_it_or_to_the_names_it_is_told(tmp
             process.wait_started()
         for process, shown, taken, refused in ((default, "tiny-llama", ("tiny-llama", relative, str(where)), "alias"),
                                                (named, "team/llama", ("team/llama", "alias"), "tiny-llama")):
-            c = client(process)
+            c = process.client()
             assert [m.id for m in c.models.list().data] == [shown]
             for name in taken:
                 answer = c.completions.create(model=name, prompt="The value", max_tokens=2, temperature=0)
@@ -198,7 +195,7 @@ def test_a_prefilled_answer_is_continued_as_transformers_continues_it(tmp_path: 
     want = alone(text, 12, special=False)
     process = ServeProcess("--model", str(where), "--dtype", "float64", "--threads", "1").start(tmp_path / "log")
     try:
-        answer = client(process).chat.completions.create(
+        answer = process.client().chat.completions.create(
             model="tiny-llama", messages=messages, max_tokens=12, temperature=0,
             extra_body={"add_generation_prompt": False, "continue_final_message": True})  # fmt: skip
         assert answer.choices[0].message.content == want
@@ -224,8 +221,8 @@ def test_a_chat_template_given_to_the_server_renders_its_chats(tmp_path: Path) -
         for process in processes:
             process.wait_started()
         with pytest.raises(openai.BadRequestError, match="no chat template"):
-            chat(client(processes[0]), "tiny-llama", [{"role": "user", "content": "The value"}], 10)
-        answer = chat(client(processes[1]), "tiny-llama", [{"role": "user", "content": "The value"}], 10)
+            chat(processes[0].client(), "tiny-llama", [{"role": "user", "content": "The value"}], 10)
+        answer = chat(processes[1].client(), "tiny-llama", [{"role": "user", "content": "The value"}], 10)
         assert answer.choices[0].message.content == want
     finally:
         for process in processes:
@@ -252,7 +249,7 @@ def test_two_servers_on_a_redis_cluster_share_a_chat(tmp_path: Path, redis_clust
             run = []
             for turn, process in enumerate(chosen):
                 messages.append({"role": "user", "content": f"The sum of the tokens {turn}?"})
-                answer = chat(client(process), "tiny-llama", messages, 20)
+                answer = chat(process.client(), "tiny-llama", messages, 20)
                 text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
                 assert answer.choices[0].message.content == alone(text, 20, special=False)
                 run.append((answer.usage.prompt_tokens, answer.usage.prompt_tokens_details.cached_tokens))

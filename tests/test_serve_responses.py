@@ -38,12 +38,9 @@ def markup_server(tmp_path_factory):
     assert process.terminate() == 0, process.log()
 
 
-def client(process: ServeProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{process.url}/v1", api_key="unused", max_retries=0, timeout=60)
-
 
 def test_a_response_says_what_the_chat_endpoint_answers_whole_and_streamed(bundled_server) -> None:
-    c = client(bundled_server)
+    c = bundled_server.client()
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The cache holds"}]
     chat = c.chat.completions.create(model="kvcache-default", messages=messages, temperature=0, max_tokens=12)
     given = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "The cache holds"}]}]
@@ -86,7 +83,7 @@ def test_a_response_says_what_the_chat_endpoint_answers_whole_and_streamed(bundl
 ])  # fmt: skip
 def test_bad_responses_requests_are_400s_naming_the_field(bundled_server, body, param) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
-        client(bundled_server).responses.create(model="kvcache-default", **body)
+        bundled_server.client().responses.create(model="kvcache-default", **body)
     assert caught.value.body["param"] == param, caught.value.message
 
 
@@ -97,7 +94,7 @@ def test_function_calls_and_their_outputs_go_round_the_responses_api(markup_serv
     from transformers import AutoTokenizer
 
     process, where = markup_server
-    c = client(process)
+    c = process.client()
     asked, reply = conversations(style="markup")[0], conversations(style="markup")[2]
     question = asked[0][0]["content"]
     asking = {"model": "tool-model", "input": question, "tools": FLAT, "temperature": 0, "max_output_tokens": 80}
@@ -135,7 +132,7 @@ def test_a_thinking_models_reasoning_is_a_reasoning_item(markup_server) -> None:
     from transformers import AutoTokenizer
 
     process, where = markup_server
-    c = client(process)
+    c = process.client()
     tokenizer = AutoTokenizer.from_pretrained(where)
     for messages, _, answer, _ in conversations(style="markup")[4:]:
         thought, content = answer.split("</think>")

@@ -520,9 +520,6 @@ def bundled_server(tmp_path_factory):
     yield from module_server(tmp_path_factory)
 
 
-def client(process: ServeProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{process.url}/v1", api_key="unused", max_retries=0, timeout=60)
-
 
 def streamed(c, **body) -> tuple[str | None, list[tuple[str, dict]], str]:
     """A streamed chat answer gathered as a client does: its content, its calls, its finish reason."""
@@ -542,7 +539,7 @@ def streamed(c, **body) -> tuple[str | None, list[tuple[str, dict]], str]:
 
 def test_a_model_calls_tools_through_the_official_client_whole_and_streamed(tool_server) -> None:
     process, _, taught, style = tool_server
-    c = client(process)
+    c = process.client()
     opener = {"gemma": GEMMA_OPEN, "pythonic": PYTHONIC_OPEN, "mistral": "[TOOL_CALLS]"}.get(style, OPEN)
     for messages, tools, answer, cities in taught[:2]:
         # what the trained answer says outside its calls (a bare call is the whole answer)
@@ -562,7 +559,7 @@ def test_a_tool_result_is_answered_and_the_turns_are_rendered_as_the_template_do
     from transformers import AutoTokenizer
 
     process, where, taught, _ = tool_server
-    c = client(process)
+    c = process.client()
     tokenizer = AutoTokenizer.from_pretrained(where)
     for messages, tools, answer, _ in taught[2:4]:
         extra = {} if tools is None else {"tools": tools}
@@ -590,7 +587,7 @@ def test_the_calls_a_server_returns_go_back_with_their_results(tool_server) -> N
     from transformers import AutoTokenizer
 
     process, where, taught, _ = tool_server
-    c = client(process)
+    c = process.client()
     tokenizer = AutoTokenizer.from_pretrained(where)
     messages, tools, _, cities = taught[1]
     message = c.chat.completions.create(model="tool-model", messages=messages, tools=tools, temperature=0,
@@ -605,7 +602,7 @@ def test_the_calls_a_server_returns_go_back_with_their_results(tool_server) -> N
 
 
 def test_a_model_without_a_tool_format_refuses_tools_and_tool_turns(bundled_server) -> None:
-    c = client(bundled_server)
+    c = bundled_server.client()
     for body in ({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS},
                  {"messages": [{"role": "user", "content": "w?"}, called("Oslo"),
                                {"role": "tool", "content": "rain", "tool_call_id": "call_1"}]}):  # fmt: skip
@@ -651,7 +648,7 @@ def test_a_thinking_model_answers_with_its_reasoning_apart_whole_and_streamed(to
     if style not in THINKERS:
         pytest.skip("this model's template does not think")
     think, unthink = THINKERS[style]
-    c = client(process)
+    c = process.client()
     tokenizer = AutoTokenizer.from_pretrained(where)
     for messages, _, answer, _ in taught[4:]:
         thought, content = answer.split(unthink)
@@ -708,7 +705,7 @@ def test_a_forced_tool_choice_starts_the_answer_with_the_call(tool_server) -> No
     from transformers import AutoTokenizer
 
     process, where, taught, style = tool_server
-    c = client(process)
+    c = process.client()
     tokenizer = AutoTokenizer.from_pretrained(where)
     named = {"type": "function", "function": {"name": "get_weather"}}
     for messages, _, _, _ in taught[:4]:
