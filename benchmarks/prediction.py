@@ -6,8 +6,9 @@ the answer itself ("exact": a file the edit leaves as it is), the answer with ev
 changed ("edited": the file before an edit of a few words), and text that has nothing to do with it
 ("unrelated"). (1) In process: plain `generate`, prompt lookup (the server's default drafter) and
 `PredictionDrafter` (falling back to prompt lookup) on each prediction, at most 16 draft tokens a
-step, the contenders interleaved request by request in rotating order; tokens per second and
-tokens checked against plain decoding. (2) (`--quick` and full runs) `kvcache serve` with its
+step (each contender's adaptive schedule carried across its requests as one `DraftGate`, as a
+server's is), the contenders interleaved request by request in rotating order; tokens per second
+and tokens checked against plain decoding. (2) (`--quick` and full runs) `kvcache serve` with its
 defaults, chat requests from 1 and from 8 concurrent clients: without a prediction, which is what
 any other server makes of such a request (neither vLLM nor `transformers serve` drafts from it),
 and with each prediction; tokens per second, answers compared, predicted tokens accepted.
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kvcache.generation import PredictionDrafter, PromptLookupDrafter, generate, speculative_generate
+from kvcache.generation import DraftGate, PredictionDrafter, PromptLookupDrafter, generate, speculative_generate
 
 try:
     from .common import Section, Table, Target, client_pool, http_client, run_as_script, section_of
@@ -38,8 +39,9 @@ except ImportError:  # run as a script
         section_of,
     )
 
-#: (requests, new tokens per request)
+#: (requests, new tokens per request); rounds of the served table (each contender once a round)
 SIZES = {"smoke": (3, 48), "quick": (8, 160), "full": (16, 256)}
+ROUNDS = {"smoke": 1, "quick": 3, "full": 5}
 K = 16
 WORDS = ("cache", "value", "token", "layer", "state", "model", "window", "prefix", "store", "answer")
 KINDS = ("exact", "edited", "unrelated")
@@ -69,6 +71,7 @@ def process_table(mode: str) -> tuple[Table, list[Target], dict[str, Any]]:
     texts = [predictions(tokenizer.decode(a)) for a in answers]
     contenders = ["plain", "prompt lookup", *(f"prediction, {k}" for k in KINDS)]
     seconds, same, accepted = dict.fromkeys(contenders, 0.0), dict.fromkeys(contenders, True), {}
+    gates = {how: DraftGate(K) for how in contenders}
     for i, ids in enumerate(prompts):
         for how in contenders[i % len(contenders) :] + contenders[: i % len(contenders)]:
             start = time.perf_counter()
@@ -78,7 +81,8 @@ def process_table(mode: str) -> tuple[Table, list[Target], dict[str, Any]]:
                 drafter = PromptLookupDrafter()
                 if how.startswith("prediction"):
                     drafter = PredictionDrafter(tokenizer.encode(texts[i][how.split(", ")[1]]), drafter)
-                result = speculative_generate(model, drafter, torch.tensor([ids]), num_draft_tokens=K, **options)
+                result = speculative_generate(model, drafter, torch.tensor([ids]), num_draft_tokens=K,
+                                              draft_schedule=gates[how], **options)  # fmt: skip
                 out = result.sequences
                 accepted[how] = accepted.get(how, 0) + sum(result.accepted_per_step)
             seconds[how] += time.perf_counter() - start
@@ -133,18 +137,21 @@ def serve_table(mode: str) -> tuple[Table, list[Target], dict[str, Any]]:
                            "same answers"])  # fmt: skip
             figures: dict[str, Any] = {}
             targets = []
+            names = ("none", *KINDS)
             for clients in (1, 8):
-                rates, same, taken = {}, {}, {}
-                for kind in (None, *KINDS):
-                    jobs = [(p, None if kind is None else texts[i][kind]) for i, p in enumerate(prompts)]
-                    with client_pool(clients) as pool:
-                        start = time.perf_counter()
-                        done = list(pool.map(lambda job: chat(*job), jobs))
-                        elapsed = time.perf_counter() - start
-                    name = kind or "none"
-                    rates[name] = sum(n for _, n, _ in done) / elapsed
-                    same[name] = [text for text, _, _ in done] == answers
-                    taken[name] = sum(a for _, _, a in done) / max(sum(n for _, n, _ in done), 1)
+                spent, made, same, took = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0), {}, {}
+                for r in range(ROUNDS[mode]):  # each round in another order: the machine's drift falls on all
+                    for name in names[r % len(names) :] + names[: r % len(names)]:
+                        jobs = [(p, None if name == "none" else texts[i][name]) for i, p in enumerate(prompts)]
+                        with client_pool(clients) as pool:
+                            start = time.perf_counter()
+                            done = list(pool.map(lambda job: chat(*job), jobs))
+                            spent[name] += time.perf_counter() - start
+                        made[name] += sum(n for _, n, _ in done)
+                        same[name] = same.get(name, True) and [text for text, _, _ in done] == answers
+                        took[name] = took.get(name, 0) + sum(a for _, _, a in done)
+                rates = {name: made[name] / spent[name] for name in names}
+                taken = {name: took[name] / max(made[name], 1) for name in names}
                 for name, rate in rates.items():
                     table.add(clients, name, f"{rate:,.0f}", f"{rate / rates['none']:.2f}x",
                               "-" if name == "none" else f"{taken[name]:.0%}", "yes" if same[name] else "NO")

@@ -14,7 +14,11 @@ prediction's n-grams, built once).
 
 `PredictionDrafter` drafts the prediction's next tokens from there, unless another drafter
 (prompt lookup; a draft model, which says no match) continues a longer match than the answer's
-latest run of predicted tokens, or the prediction has nothing left. Drafts are point
+latest run of predicted tokens, or this prediction's drafts were mostly wrong so far (a record of
+each draft against what the answer then did), or the prediction has nothing left. Measured on the
+bundled model (24 rewrite requests, one schedule per contender across them): against prompt
+lookup alone, 1.76x with the answer predicted, 1.27x with every eighth word changed, 0.995x with
+unrelated text (0.62x before the record: a prediction drafted wherever one token matched by chance). Drafts are point
 masses verified like any other, so the answer is the target's own, token for token.
 """
 
@@ -35,6 +39,8 @@ PREDICTED_MATCH = 1 << 20
 RUN_CAP = 16
 #: A single token re-aligns the track only this close ahead (a common token far ahead is noise).
 NEAR = 16
+#: Past the answer's start, the prediction drafts once this many answer tokens in a row followed it.
+MIN_RUN = 1
 
 
 class PredictionTrack:
@@ -97,6 +103,18 @@ class PredictionDrafter(Drafter):
         self.reports_match = fallback is None or fallback.reports_match
         self.samples = fallback is not None and fallback.samples
         self._prompt_length = 0
+        # how right this prediction's drafts were: predicted tokens the answer took of those judged
+        # (a prior of one in two), and the last draft, not yet judged: (answer length, its tokens)
+        self.right, self.judged = self.PRIOR_RIGHT, 2 * self.PRIOR_RIGHT
+        self._last: tuple[int, list[int]] | None = None
+
+    #: The prior weight of the drafts' record (half of it right).
+    PRIOR_RIGHT = 1.0
+
+    @property
+    def doubtful(self) -> bool:
+        """Whether most of this prediction's drafts were wrong so far."""
+        return 2 * self.right < self.judged
 
     @property
     def forwards(self) -> int:  # type: ignore[override]
@@ -114,19 +132,36 @@ class PredictionDrafter(Drafter):
     def propose(self, sequence: Sequence[int], num_tokens: int, pick: DraftPicker) -> Draft:
         if num_tokens <= 0:
             return Draft([])
-        self.track.follow(sequence[self._prompt_length :])
+        answer = sequence[self._prompt_length :]
+        self.track.follow(answer)
+        self._judge(answer)
         # from the answer's start, or where its last token was a predicted one (after a token the
         # prediction lacks, its next tokens are rarely the answer's)
-        following = self.track.followed == 0 or self.track.run > 0
+        following = self.track.followed == 0 or self.track.run >= MIN_RUN
         predicted = self.track.next_tokens(num_tokens) if following else []
         fallback = self.fallback
-        # not deep in the prediction: a lookup's draft where it continues a longer match (a model's
-        # drafts, which cost a forward and say no match, only where the prediction has none)
+        # not deep in the prediction: a lookup's draft where it continues a longer match, or where
+        # this prediction's drafts were mostly wrong (a model's drafts, which cost a forward and
+        # say no match, only where the prediction has none)
         if fallback is not None and (not predicted or (fallback.reports_match and self.track.run < RUN_CAP)):
             other = fallback.propose(sequence, num_tokens, pick)
-            if other.tokens and (not predicted or other.match > self.track.run):
+            if other.tokens and (not predicted or self.doubtful or other.match > self.track.run):
                 return other
-        return Draft(predicted, match=PREDICTED_MATCH + min(self.track.run, RUN_CAP)) if predicted else Draft([])
+        if not predicted:
+            return Draft([])
+        self._last = (len(answer), predicted)
+        return Draft(predicted, match=PREDICTED_MATCH + min(self.track.run, RUN_CAP))
+
+    def _judge(self, answer: Sequence[int]) -> None:
+        """Score the last prediction draft against what the answer did after it."""
+        if self._last is None:
+            return
+        at, drafted = self._last
+        took = answer[at : at + len(drafted)]
+        right = next((i for i, (a, b) in enumerate(zip(took, drafted, strict=False)) if a != b), len(took))
+        self.right += right
+        self.judged += right + (right < len(took))  # (the first wrong token, where there was one)
+        self._last = None
 
     def accept(self, sequence: Sequence[int]) -> str:
         return self.fallback.accept(sequence) if self.fallback is not None else Drafter.accept(self, sequence)

@@ -71,8 +71,9 @@ def speculative_step(engine: Any, predicted_only: bool = False) -> None:
         verifier = Verifier(request.sampling, request.generator)  # a draft model picks as the row samples
         verifiers.append(verifier)
         offered.append(request.drafter.propose(sequence, budget, verifier.pick) if budget > 0 else NO_DRAFT)
-    if predicted_only:  # past the rows the server drafts for: predictions' drafts alone
-        offered = [d if d.match >= PREDICTED_MATCH else NO_DRAFT for d in offered]
+    if predicted_only:  # past the rows the server drafts for: predictions' drafts alone, mostly right ones
+        offered = [d if d.match >= PREDICTED_MATCH and not r.drafter.doubtful else NO_DRAFT
+                   for d, r in zip(offered, rows, strict=True)]  # fmt: skip
     drafts = offered
     if gate is not None:  # as many draft tokens per row as the rows' matches pay for, in one width
         most = gate.batch_width([(len(d.tokens), d.match) for d in offered], engine.speculative)
