@@ -1,8 +1,8 @@
 """vLLM's extras on `kvcache serve`: `/tokenize` and `/detokenize` (the ids a completion or a chat
 request would feed the model, checked against the token counts the answers' `usage` reports, and
 their text back), a chat's `continue_final_message` (a prefilled answer, continued as the same
-text sent as a completion is), `truncate_prompt_tokens`, and 4xx errors for what they do not
-take."""
+text sent as a completion is), `truncate_prompt_tokens`, `reasoning_effort` as the template's
+variable, and 4xx errors for what they do not take."""
 
 from __future__ import annotations
 
@@ -121,3 +121,41 @@ def test_version_says_the_packages(server) -> None:
 
     answer = httpx.get(f"{server.url}/version", timeout=30)
     assert answer.status_code == 200 and answer.json() == {"version": __version__}
+
+
+EFFORT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+                   "{% if reasoning_effort is defined %}effort {{ reasoning_effort }}\n{% endif %}"
+                   "{% if add_generation_prompt %}<|assistant|>{% endif %}")  # fmt: skip
+
+
+def test_reasoning_effort_is_the_templates_variable(tmp_path) -> None:
+    """OpenAI's `reasoning_effort` (and the Responses API's `reasoning.effort`) reach the chat
+    template as its `reasoning_effort` variable, as vLLM passes it (gpt-oss's template reads it):
+    the same prompt as `chat_template_kwargs` gives, which still win."""
+    from serve_kit import ServeProcess, tiny_model_dir
+
+    where = tiny_model_dir(tmp_path / "tiny", "llama")
+    server = ServeProcess("--model", str(where), "--chat-template", EFFORT_TEMPLATE, "--threads", "1",
+                          "--dtype", "float64").start(tmp_path / "serve.log")  # fmt: skip
+    try:
+        client, messages = server.client(), [{"role": "user", "content": "The value"}]
+
+        def chat(**options):
+            answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                                    **options)  # fmt: skip
+            return answer.choices[0].message.content, answer.usage.prompt_tokens
+
+        low = chat(reasoning_effort="low")
+        assert low == chat(extra_body={"chat_template_kwargs": {"reasoning_effort": "low"}}) and low[1] > chat()[1]
+        high = chat(extra_body={"chat_template_kwargs": {"reasoning_effort": "high"}})
+        assert chat(reasoning_effort="low", extra_body={"chat_template_kwargs": {"reasoning_effort": "high"}}) == high
+        response = client.responses.create(model="tiny", input=messages, max_output_tokens=6, temperature=0,
+                                           reasoning={"effort": "low"})  # fmt: skip
+        assert (response.output_text, response.usage.input_tokens) == low
+        for path, body, param in (("/v1/chat/completions", {"messages": messages, "reasoning_effort": "extreme"},
+                                   "reasoning_effort"),
+                                  ("/v1/responses", {"input": "x", "reasoning": "low"}, "reasoning")):  # fmt: skip
+            answer = post(server, path, body)
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
+    finally:
+        assert server.terminate() == 0, server.log()

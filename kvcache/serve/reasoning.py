@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .api_error import ApiError
 from .tags import until_tag
 
 THINK, UNTHINK = "<think>", "</think>"
@@ -70,6 +71,19 @@ def reasoning_parser_refused(served: Any, parser: str) -> str | None:
         return (f"--reasoning-parser {parser}: the model's chat template writes its reasoning between {tags[0]} "
                 f"and {tags[1]}, which the server reads; leave the flag out or name a parser of those tags")
     return None
+
+
+#: OpenAI's `reasoning_effort` values.
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def reasoning_effort(value: Any) -> str | None:
+    """A chat's `reasoning_effort` (null: none), checked: the chat template's `reasoning_effort`
+    variable, as vLLM passes it (gpt-oss's template reads it; a template that does not, ignores it)."""
+    if value is not None and value not in REASONING_EFFORTS:
+        raise ApiError(400, f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {value!r}"[:300],
+                       param="reasoning_effort")  # fmt: skip
+    return value
 
 
 def opened_in(prompt: str, tags: tuple[str, str] = (THINK, UNTHINK)) -> bool:

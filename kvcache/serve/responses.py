@@ -54,6 +54,11 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
         chat["tools"] = _tools(body["tools"])
     if body.get("text") is not None:
         chat["response_format"] = _response_format(body["text"])
+    reasoning = body.get("reasoning")
+    if reasoning is not None and not isinstance(reasoning, dict):
+        raise ApiError(400, f"reasoning must be an object, got {reasoning!r}"[:300], param="reasoning")
+    if reasoning and reasoning.get("effort") is not None:  # (the chat's reasoning_effort; summary: ignored)
+        chat["reasoning_effort"] = reasoning["effort"]
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") == "function" and set(choice) == {"type", "name"}:
         choice = {"type": "function", "function": {"name": choice["name"]}}  # the Responses API's form, flat

@@ -19,8 +19,10 @@ from typing import Any
 
 from .api_error import ApiError
 from .grammar import grammar_of
+from .messages import chat_message
 from .prediction import predicted_text
-from .tools import assistant_calls, check_tools, forced_tool
+from .reasoning import reasoning_effort
+from .tools import check_tools, forced_tool
 
 __all__ = ["ApiError", "Limits", "Params", "chat_params", "completion_params", "parse_json"]
 
@@ -51,7 +53,8 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed
           "include_stop_str_in_output", "truncate_prompt_tokens"}  # fmt: skip
 COMPLETION_FIELDS = COMMON | {"prompt"} | set(NEUTRAL) | IGNORED
 CHAT_FIELDS = (COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs", "add_generation_prompt",
-                         "continue_final_message", "prediction"} | set(NEUTRAL) | IGNORED)  # fmt: skip
+                         "continue_final_message", "prediction", "reasoning_effort"}
+               | set(NEUTRAL) | IGNORED)  # fmt: skip
 #: `apply_chat_template`'s own parameters, which `chat_template_kwargs` may not set.
 TEMPLATE_PARAMETERS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
                        "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
@@ -350,7 +353,7 @@ def chat_params(body: dict[str, Any], model: str | tuple[str, ...], limits: Limi
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list", param="messages")
-    params.messages = [_message(i, message) for i, message in enumerate(messages)]
+    params.messages = [chat_message(i, message) for i, message in enumerate(messages)]
     options = body.get("chat_template_kwargs", {})
     if not isinstance(options, dict) or not all(isinstance(k, str) and k.isidentifier() for k in options):
         raise ApiError(400, "chat_template_kwargs must be an object of variables for the chat template",
@@ -359,7 +362,8 @@ def chat_params(body: dict[str, Any], model: str | tuple[str, ...], limits: Limi
     if taken:
         raise ApiError(400, f"chat_template_kwargs may not set {', '.join(taken)} (a request field or the "
                        "server's choice)", param="chat_template_kwargs")  # fmt: skip
-    params.template_options = options
+    effort = reasoning_effort(body.get("reasoning_effort"))  # a template variable (chat_template_kwargs win)
+    params.template_options = options if effort is None else {"reasoning_effort": effort, **options}
     params.generation_prompt = _flag(body, "add_generation_prompt", True)
     params.continue_final = _flag(body, "continue_final_message")
     if params.continue_final and params.generation_prompt:  # (vLLM's rule)
@@ -370,40 +374,3 @@ def chat_params(body: dict[str, Any], model: str | tuple[str, ...], limits: Limi
                        param="continue_final_message")  # fmt: skip
     return params
 
-
-def _message(i: int, message: Any) -> dict[str, Any]:
-    """A chat message as the chat template takes it: its role and text, and a tool turn's parts
-    (an assistant's `tool_calls`, a tool's `tool_call_id`), and an assistant's `reasoning_content`."""
-    roles = ("system", "user", "assistant", "developer", "tool")
-    if not isinstance(message, dict) or message.get("role") not in roles:
-        raise ApiError(400, f"messages[{i}] must be an object with a role of system, developer, user, assistant "
-                       "or tool", param=f"messages[{i}]")  # fmt: skip
-    content = message.get("content")
-    calls = message.get("tool_calls")
-    if message["role"] == "assistant" and calls is not None and content is None:
-        content = ""  # an assistant turn of tool calls alone
-    if isinstance(content, list):  # content parts: text only
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                   for p in content):  # fmt: skip
-            raise ApiError(400, f"messages[{i}].content parts must all be text", param=f"messages[{i}].content")
-        content = "".join(p["text"] for p in content)
-    if not isinstance(content, str):
-        raise ApiError(400, f"messages[{i}].content must be a string", param=f"messages[{i}].content")
-    role = "system" if message["role"] == "developer" else message["role"]
-    shaped: dict[str, Any] = {"role": role, "content": content}
-    if calls is not None:
-        if role != "assistant":
-            raise ApiError(400, f"messages[{i}]: only an assistant message has tool_calls", param=f"messages[{i}]")
-        shaped["tool_calls"] = assistant_calls(i, calls)
-    thought = message.get("reasoning_content")
-    if thought is not None:  # an earlier answer's reasoning, sent back: the template decides what to keep
-        if role != "assistant" or not isinstance(thought, str):
-            raise ApiError(400, f"messages[{i}].reasoning_content must be a string, in an assistant message",
-                           param=f"messages[{i}].reasoning_content")  # fmt: skip
-        shaped["reasoning_content"] = thought
-    if role == "tool":
-        call_id = message.get("tool_call_id")
-        if not isinstance(call_id, str):
-            raise ApiError(400, f"messages[{i}].tool_call_id must be a string", param=f"messages[{i}].tool_call_id")
-        shaped["tool_call_id"] = call_id
-    return shaped
