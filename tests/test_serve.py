@@ -385,6 +385,9 @@ def test_bad_flags_are_one_line_errors(capsys) -> None:
                         (["--suffix-draft", "4", "--prompt-lookup", "3"], "alternatives"),
                         (["--device", "tpu"], "--device 'tpu'"),
                         (["--served-model-name", "m", " "], "a name must not be empty"),
+                        (["--allowed-origins", "localhost:3000"], "is not an origin"),
+                        (["--allowed-origins", "http://a.example/path"], "is not an origin"),
+                        (["--allowed-origins", '["http://a.example"'], "not a JSON list"),
                         *([] if torch.cuda.is_available() else [(["--device", "cuda"], "CUDA is not available")])):
         code = main(["serve", *argv])
         out, err = capsys.readouterr()
@@ -395,6 +398,14 @@ def test_bad_flags_are_one_line_errors(capsys) -> None:
         out, err = capsys.readouterr()
         code = exited.value.code
         assert (code, out) == (2, "") and err.count("\n") == 1 and words in err, (argv, err)
+
+
+def test_allowed_origins_are_read_as_given_or_as_vllms_json_list() -> None:
+    from kvcache.cli.serve import allowed_origins
+
+    assert allowed_origins(['["http://localhost:3000", "https://a.example/"]', "*"]) == (
+        "http://localhost:3000", "https://a.example", "*")
+    assert allowed_origins(()) == ()
 
 
 def test_the_help_states_the_engines_step_budget(capsys) -> None:

@@ -28,11 +28,12 @@ from kvcache.models import load_default_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MODEL = "kvcache-default"
+ORIGIN = "http://localhost:3000"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    yield from module_server(tmp_path_factory, "--max-tokens", "64")
+    yield from module_server(tmp_path_factory, "--max-tokens", "64", "--allowed-origins", ORIGIN)
 
 
 @pytest.fixture(scope="module")
@@ -242,3 +243,25 @@ def test_an_empty_api_key_variable_is_a_one_line_error(capsys, monkeypatch) -> N
     code = main(["serve"])
     out, err = capsys.readouterr()
     assert (code, out) == (2, "") and err.count("\n") == 1 and "$KVCACHE_API_KEY is empty" in err
+
+
+def test_only_the_allowed_origins_pages_may_read_answers(server) -> None:
+    """`--allowed-origins` (CORS): a browser's preflight from the allowed origin is answered with
+    what its request may send (the API key's header too); another origin gets no CORS headers, so
+    the browser keeps its page from reading the answer. (A server without the flag sends none:
+    test_serve_vllm_extras.)"""
+    preflight = {"Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}  # fmt: skip
+    allowed = httpx.options(f"{server.url}/v1/chat/completions", headers={"Origin": ORIGIN, **preflight}, timeout=10)
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == ORIGIN
+    assert "POST" in allowed.headers["access-control-allow-methods"]
+    assert "authorization" in allowed.headers["access-control-allow-headers"].lower()
+    other = httpx.options(f"{server.url}/v1/chat/completions", headers={"Origin": "http://evil.example", **preflight},
+                          timeout=10)  # fmt: skip
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    body = {"model": MODEL, "prompt": "The value", "max_tokens": 2}
+    answer = httpx.post(f"{server.url}/v1/completions", json=body, headers={"Origin": ORIGIN}, timeout=30)
+    assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == ORIGIN
+    answer = httpx.post(f"{server.url}/v1/completions", json=body, headers={"Origin": "http://evil.example"},
+                        timeout=30)  # fmt: skip
+    assert "access-control-allow-origin" not in answer.headers

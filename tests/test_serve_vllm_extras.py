@@ -121,6 +121,9 @@ def test_version_says_the_packages(server) -> None:
 
     answer = httpx.get(f"{server.url}/version", timeout=30)
     assert answer.status_code == 200 and answer.json() == {"version": __version__}
+    # without --allowed-origins no web page elsewhere may read an answer (no CORS headers)
+    answer = httpx.get(f"{server.url}/version", headers={"Origin": "http://localhost:3000"}, timeout=30)
+    assert "access-control-allow-origin" not in answer.headers
 
 
 EFFORT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"

@@ -37,6 +37,10 @@ def add_parser(subparsers: Any) -> None:
         "request(s) run and only as far as it pays, for models whose rejected drafts can be rolled back"))
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    parser.add_argument("--allowed-origins", nargs="+", default=(), metavar="ORIGIN",
+                        help="web origins whose pages may call the server from a browser (CORS), e.g. "
+                        "http://localhost:3000, or * for any (vLLM's flag; default: none, so a web page elsewhere "
+                        "cannot read answers)")
     parser.add_argument("--prefix-store", metavar="DIR_OR_URL",
                         help="a directory or Redis URL for prefixes (shared, survives restarts); default: memory")
     parser.add_argument("--prefix-store-bytes", type=int, default=1 << 30, metavar="N",
@@ -195,6 +199,27 @@ def model_names(args: argparse.Namespace, name: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys((name, *given)))
 
 
+def allowed_origins(given: list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """`--allowed-origins`' origins: each `*` or `scheme://host[:port]`, or a JSON list of them as
+    vLLM's flag takes it (`'["http://localhost:3000"]'`)."""
+    import json
+    from urllib.parse import urlsplit
+
+    origins: list[str] = []
+    for value in given:
+        try:
+            listed = json.loads(value) if value.lstrip().startswith("[") else [value]
+        except ValueError:
+            raise GenerationError(f"--allowed-origins {value!r}: not a JSON list of origins") from None
+        origins += listed if isinstance(listed, list) else [listed]
+    for origin in origins:
+        parts = urlsplit(origin) if isinstance(origin, str) else None
+        if origin != "*" and (parts is None or parts.scheme not in ("http", "https") or not parts.netloc
+                              or parts.path not in ("", "/") or parts.query or parts.fragment):  # fmt: skip
+            raise GenerationError(f"--allowed-origins: {origin!r} is not an origin (scheme://host[:port], or *)")
+    return tuple(origin.rstrip("/") for origin in origins)
+
+
 def default_max_tokens(args: argparse.Namespace, served: Any) -> int:
     """A request's max_tokens where it gives none: `--default-max-tokens`, else the served
     directory's `generation_config.json` max_new_tokens (vLLM's default), else `DEFAULT_MAX_TOKENS`."""
@@ -295,6 +320,7 @@ def run(args: argparse.Namespace) -> int:
         raise GenerationError(f"--threads must be >= 1, got {args.threads}")
     if args.served_model_name is not None and not all(name.strip() for name in args.served_model_name):
         raise GenerationError("--served-model-name: a name must not be empty")
+    args.allowed_origins = allowed_origins(args.allowed_origins)
     args.speculation_chosen = (args.speculative, args.prompt_lookup, args.suffix_draft,
                                args.draft_model) != (None,) * 4  # fmt: skip
     check_model_arguments(args)
@@ -331,7 +357,8 @@ def run(args: argparse.Namespace) -> int:
                     max_tokens=args.max_tokens, max_waiting=args.max_waiting, context_length=context,
                     default_max_tokens=min(default_max_tokens(args, served), args.max_tokens))  # fmt: skip
     names = model_names(args, served.name)
-    app = create_app(served, engine, limits=limits, api_key=key, names=names)
+    app = create_app(served, engine, limits=limits, api_key=key, names=names,
+                     allowed_origins=tuple(args.allowed_origins))  # fmt: skip
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=args.access_log,
                             timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=args.keep_alive,
                             lifespan="on", http=HTTP_PROTOCOL, loop="asyncio")  # fmt: skip

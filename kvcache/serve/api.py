@@ -24,6 +24,7 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -47,11 +48,12 @@ from .tools import CLOSE, call_opening, call_style, tools_refused
 HELD_CLOSINGS = {"json": "\n" + CLOSE, "markup": "\n" + CLOSE, "pythonic": PYTHONIC_CLOSE, "gemma": GEMMA_CLOSE}
 
 
-def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = None,
-               api_key: str | None = None, names: tuple[str, ...] = ()) -> Starlette:  # fmt: skip
+def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = None, api_key: str | None = None,
+               names: tuple[str, ...] = (), allowed_origins: tuple[str, ...] = ()) -> Starlette:  # fmt: skip
     """The Starlette app serving `served` through `engine` (started and stopped with the app).
     `names`: the model ids requests may name, the first the one answers show (default: the served
-    model's name alone)."""
+    model's name alone). `allowed_origins`: the web origins whose pages may call the server from a
+    browser (CORS; "*": any); none by default, so a page elsewhere cannot read its answers."""
     names = tuple(names) or (served.name,)
     shown = names[0]
     if limits is None or limits.context_length is None:  # the model's own context
@@ -302,8 +304,12 @@ def create_app(served: ServedModel, engine: Engine, *, limits: Limits | None = N
         Route("/version", endpoint("version", version, auth=False), methods=["GET"]),
         Route("/metrics", endpoint("metrics", metrics_text, auth=False), methods=["GET"]),
     ]
+    middleware = [Middleware(RefuseAmbiguousFraming)]
+    if allowed_origins:  # preflights answered before the API key is asked for (browsers send none with them)
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                                     allow_headers=["authorization", "content-type"]))  # fmt: skip
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error},
-                     middleware=[Middleware(RefuseAmbiguousFraming)])  # fmt: skip
+                     middleware=middleware)  # fmt: skip
 
 
 class RefuseAmbiguousFraming:
