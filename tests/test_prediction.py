@@ -10,9 +10,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_speculative import NEW_TOKENS, assert_same_cache, make_target, plain_greedy
+from test_speculative import NEW_TOKENS, SteeredDraft, assert_same_cache, make_target, plain_greedy
 
-from kvcache.generation import PredictionDrafter, PromptLookupDrafter, speculative_generate
+from kvcache.generation import ModelDrafter, PredictionDrafter, PromptLookupDrafter, speculative_generate
 from kvcache.generation.prediction import NEAR, PredictionTrack, prediction_usage
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -77,3 +77,8 @@ def test_drafting_a_prediction_keeps_the_greedy_answer(kind: str) -> None:
         assert_same_cache(out.cache, expected_cache)
         if pays:  # most tokens came from accepted drafts: far fewer forwards than tokens
             assert out.target_forwards <= NEW_TOKENS // 2, (name, out.target_forwards)
+    # a draft model behind a prediction that runs out: its cache follows the tokens it did not draft
+    drafter = PredictionDrafter(answer[:5], ModelDrafter(SteeredDraft(target, "sometimes")))
+    out = speculative_generate(target, drafter, prompt, num_draft_tokens=4, max_new_tokens=NEW_TOKENS)
+    assert out.sequences[0].tolist() == expected and out.draft_forwards > 0
+    assert_same_cache(out.cache, expected_cache)
