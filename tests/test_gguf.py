@@ -79,3 +79,22 @@ def test_what_cannot_be_read_is_a_one_line_error(gguf_file: Path, capsys, tmp_pa
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
     code, out, err = generate(capsys, "--model", str(gguf_file), PROMPT)
     assert code != 0 and 'pip install "kvcache[gguf]"' in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_another_tokenizer_runs_with_the_file(gguf_file: Path, capsys, tmp_path: Path) -> None:
+    """vLLM's `--tokenizer`: the original model's tokenizer with the GGUF file's weights prints what
+    transformers' `generate` gives with that pair; a tokenizer whose ids the model lacks is refused."""
+    source = gguf_file.parent / f"{gguf_file.stem}-source"  # (the directory gguf_kit converted)
+    code, out, err = generate(capsys, "--model", str(gguf_file), "--tokenizer", str(source), PROMPT)
+    assert code == 0, err
+    model = transformers.AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    assert out.rstrip("\n") == greedy_text(model, transformers.AutoTokenizer.from_pretrained(source), PROMPT, NEW)
+    wide = transformers.AutoTokenizer.from_pretrained(source)
+    wide.add_tokens([f"<extra_{i}>" for i in range(400)])  # ids past the model's 300
+    wide.save_pretrained(tmp_path / "wide")
+    capsys.readouterr()  # (transformers' own progress bars above)
+    for args, words in (((str(tmp_path / "wide"),), "past the 300 tokens"), ((str(tmp_path / "none"),), "--tokenizer")):
+        code, out, err = generate(capsys, "--model", str(gguf_file), "--tokenizer", *args, PROMPT)
+        assert code != 0 and out == "" and len(err.strip().splitlines()) == 1 and words in err, err
+    code, _, err = generate(capsys, "--tokenizer", str(source), PROMPT)
+    assert code != 0 and "--tokenizer is for --model" in err

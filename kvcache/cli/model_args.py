@@ -55,6 +55,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, draft_model: bool, s
     parser.add_argument("--revision", metavar="REV", default=None,
                         help="for a hub id --model: the branch, tag or commit of it to load, one the local cache "
                         "holds (default: main)")
+    parser.add_argument("--tokenizer", metavar="DIR|ID", default=None,
+                        help="another directory, GGUF file or cached hub id whose tokenizer and chat template "
+                        "--model runs with (vLLM's flag; e.g. the original model's for a GGUF file; default: "
+                        "--model's own)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="let --model (and --draft-model) run modeling code of their own that their config "
                         "names (transformers' and vLLM's flag: that code runs in this process; for models you "
@@ -100,6 +104,10 @@ def check_model_arguments(args: argparse.Namespace) -> None:
         raise GenerationError("--revision picks a version of a hub id --model (the bundled model has one)")
     from ..models.locate import locate_model
 
+    if getattr(args, "tokenizer", None) is not None:
+        if not args.model:
+            raise GenerationError("--tokenizer is for --model DIR (the bundled model's tokenizer is its own)")
+        locate_model(args.tokenizer, flag="--tokenizer")
     if args.model:  # where the models are, before anything loads
         locate_model(args.model, getattr(args, "revision", None))
     if getattr(args, "draft_model", None):
@@ -167,7 +175,8 @@ def load_model(args: argparse.Namespace, device: Any) -> Any:
     if not args.model:
         return bundled(dtype or torch.float32, device)
     served = from_directory(args.model, dtype, device, revision=getattr(args, "revision", None),
-                            trust_remote_code=getattr(args, "trust_remote_code", False))  # fmt: skip
+                            trust_remote_code=getattr(args, "trust_remote_code", False),
+                            tokenizer=getattr(args, "tokenizer", None))  # fmt: skip
     if getattr(args, "generation_config", "auto") == "none":
         served.sampling = {}
     if getattr(args, "chat_template", None) is not None:  # (its text: `check_model_arguments`)

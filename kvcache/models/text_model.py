@@ -206,8 +206,8 @@ def _not_a_model(path: str | Path, exc: Exception, flag: str = "--model") -> Cac
 
 
 def from_directory(path: str | Path, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                   revision: str | None = None, flag: str = "--model",
-                   trust_remote_code: bool = False) -> TextModel:  # fmt: skip
+                   revision: str | None = None, flag: str = "--model", trust_remote_code: bool = False,
+                   tokenizer: str | Path | None = None) -> TextModel:  # fmt: skip
     """A transformers causal LM and its tokenizer saved in `path`, or downloaded into the local
     Hugging Face cache as the hub id `path` names (at `revision`; `locate.locate_model`: local
     files only), on `device` (default: the CPU) in `dtype` (default: the dtype the directory names,
@@ -215,7 +215,8 @@ def from_directory(path: str | Path, dtype: torch.dtype | None = None, device: t
     Qwen2.5-VL, Qwen3-VL) is loaded whole with its own class and runs on text alone, as vLLM serves
     such a model to a text request. A directory whose config names modeling code of its own loads
     only with `trust_remote_code` (transformers' flag: that code runs here); without it, transformers'
-    interactive question is never asked."""
+    interactive question is never asked. `tokenizer`: another directory, GGUF file or cached hub id
+    whose tokenizer (and chat template) to use (vLLM's `--tokenizer`), its ids within the model's."""
     try:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
         from transformers.models.auto.modeling_auto import (
@@ -246,9 +247,12 @@ def from_directory(path: str | Path, dtype: torch.dtype | None = None, device: t
     kind = type(config)
     image_text = kind not in MODEL_FOR_CAUSAL_LM_MAPPING and kind in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
     auto = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
+    if tokenizer is not None:  # (checked before the weights load)
+        words = _tokenizer(tokenizer, trust_remote_code, int(config.get_text_config(decoder=True).vocab_size))
     try:
         hf, loading = auto.from_pretrained(where, dtype=dtype or "auto", output_loading_info=True, **local)
-        tokenizer = AutoTokenizer.from_pretrained(where, **local)
+        if tokenizer is None:
+            words = AutoTokenizer.from_pretrained(where, **local)
     except (OSError, ValueError, KeyError) as exc:  # no weights, a type with no causal LM
         raise _not_a_model(path, exc, flag) from exc
     missing = sorted(loading.get("missing_keys") or ())
@@ -267,4 +271,25 @@ def from_directory(path: str | Path, dtype: torch.dtype | None = None, device: t
     # so servers loading the same model from anywhere share one store
     # (a GGUF file's directory may hold anything: its generation_config.json is not the file's)
     sampling = read_sampling_defaults(where) if location.gguf_file is None else {}
-    return TextModel(wrapped, location.name, list(eos), tokenizer, "transformers", "transformers", sampling)
+    return TextModel(wrapped, location.name, list(eos), words, "transformers", "transformers", sampling)
+
+
+def _tokenizer(given: str | Path, trust_remote_code: bool, vocab_size: int) -> Any:
+    """`--tokenizer`'s tokenizer (a directory, GGUF file or cached hub id), its ids checked to be
+    the model's (an id past the embedding would fail a forward)."""
+    from transformers import AutoTokenizer
+
+    location = locate_model(given, flag="--tokenizer")
+    local: dict[str, Any] = {"local_files_only": True, "trust_remote_code": trust_remote_code}
+    if location.gguf_file is not None:
+        local["gguf_file"] = location.gguf_file
+    try:
+        words = AutoTokenizer.from_pretrained(location.directory, **local)
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CacheInputError(f"--tokenizer {given}: no tokenizer read there ({first[:300]})") from exc
+    most = max(words.get_vocab().values(), default=-1)
+    if most >= vocab_size:
+        raise CacheInputError(f"--tokenizer {given}: its ids run to {most}, past the {vocab_size} tokens the "
+                              "model reads: the tokenizer of another model?")  # fmt: skip
+    return words
