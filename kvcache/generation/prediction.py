@@ -9,8 +9,9 @@ ahead is noise); with none later, after the nearest earlier occurrence of the la
 (the answer repeats itself); else it stays (an insertion: the prediction picks up again after
 it). A wrong guess is corrected by the next tokens. The predicted tokens it counts as taken have
 increasing positions, so they are a common subsequence of prediction and answer: OpenAI's
-accepted prediction tokens. Following costs O(log n) per answer token (an index of the
-prediction's n-grams, built once).
+accepted prediction tokens. Following costs O(1) per answer token that follows the prediction and
+at most O(`SCAN`) per one that does not (an index of each token's positions, built once: about a
+millisecond for 8k tokens, where one of every n-gram took 7-100 ms on the engine thread).
 
 `PredictionDrafter` drafts the prediction's next tokens from there, unless another drafter
 (prompt lookup; a draft model, which says no match) continues a longer match than the answer's
@@ -39,6 +40,8 @@ PREDICTED_MATCH = 1 << 20
 RUN_CAP = 16
 #: A single token re-aligns the track only this close ahead (a common token far ahead is noise).
 NEAR = 16
+#: The most positions of a token a re-alignment looks at each way from the cursor.
+SCAN = 512
 #: Past the answer's start, the prediction drafts once this many answer tokens in a row followed it.
 MIN_RUN = 1
 
@@ -53,10 +56,9 @@ class PredictionTrack:
         self.followed = 0  # answer tokens followed so far
         self.run = 0  # the last answer tokens that followed the prediction in a row (to the cursor)
         self._last_taken = -1  # the position of the last predicted token counted
-        self._ends: dict[tuple[int, ...], list[int]] = {}  # n-gram (n = 1..3) -> where its occurrences end
-        for n in (1, 2, 3):
-            for end in range(n - 1, len(self.predicted)):
-                self._ends.setdefault(tuple(self.predicted[end - n + 1 : end + 1]), []).append(end)
+        self._at: dict[int, list[int]] = {}  # token -> its positions in the prediction, in order
+        for position, token in enumerate(self.predicted):
+            self._at.setdefault(token, []).append(position)
 
     def follow(self, answer: Sequence[int]) -> None:
         """Catch up with `answer` (the answer so far: what was followed before, and more)."""
@@ -75,17 +77,23 @@ class PredictionTrack:
 
     def _realigned(self, answer: Sequence[int], end: int) -> tuple[int | None, int]:
         """Where in the prediction the answer's token `end` (not the one expected) stands, if found,
-        and how many answer tokens that found."""
+        and how many answer tokens that found. The candidates are the token's positions, nearest
+        first, at most `SCAN` of them each way (a bound on a very common token's cost)."""
+        positions = self._at.get(int(answer[end]), [])
+        i = bisect_left(positions, self.cursor)
         later, earlier = [], []
         for n in (3, 2, 1):
-            ends = self._ends.get(tuple(int(t) for t in answer[end + 1 - n : end + 1])) if end + 1 >= n else None
-            if not ends:
+            if end + 1 < n:
                 continue
-            i = bisect_left(ends, self.cursor)
-            if i < len(ends) and (n > 1 or ends[i] - self.cursor < NEAR):
-                later.append((ends[i] - self.cursor, -n, ends[i]))
-            if i > 0 and n > 1:
-                earlier.append((self.cursor - ends[i - 1], -n, ends[i - 1]))
+            gram = [int(t) for t in answer[end + 1 - n : end + 1]]
+            ahead = next((e for e in positions[i : i + SCAN]
+                          if self.predicted[max(e + 1 - n, 0) : e + 1] == gram), None)  # fmt: skip
+            if ahead is not None and (n > 1 or ahead - self.cursor < NEAR):
+                later.append((ahead - self.cursor, -n, ahead))
+            behind = next((e for e in reversed(positions[max(i - SCAN, 0) : i]) if n > 1
+                           and self.predicted[max(e + 1 - n, 0) : e + 1] == gram), None)  # fmt: skip
+            if behind is not None:
+                earlier.append((self.cursor - behind, -n, behind))
         found = min(later) if later else min(earlier) if earlier else None
         return (None, 0) if found is None else (found[2], -found[1])
 
