@@ -62,6 +62,25 @@ bundled = pytest.mark.skipif(
 
 
 @bundled
+def test_a_prediction_prints_the_same_text_from_drafts(tmp_path: Path) -> None:
+    """`--prediction FILE`: the text the run prints without it, most of it from accepted drafts
+    when the file holds that text; a file with other text changes nothing either."""
+    args = ("The value of the ", "--temperature", "0", "--max-new-tokens", "80")
+    plain = kvcache(*args)
+    assert plain.returncode == 0, plain.stderr
+    predicted = tmp_path / "predicted.txt"
+    for text, most in ((plain.stdout, True), ("lorem ipsum dolor sit amet " * 4, False)):
+        predicted.write_text(text)
+        run = kvcache(*args, "--prediction", str(predicted))
+        assert run.returncode == 0 and run.stdout == plain.stdout, run.stderr
+        accepted = int(run.stderr.split(" drafted tokens accepted")[0].rsplit(", ", 1)[1])
+        assert accepted >= 40 or not most, run.stderr
+    assert_one_line_error(kvcache(*args, "--prediction", str(tmp_path / "absent.txt")), "--prediction", "absent.txt")
+    predicted.write_text("\u2603 snow")  # a character outside the bundled model's alphabet
+    assert_one_line_error(kvcache(*args, "--prediction", str(predicted)), "--prediction", "alphabet")
+
+
+@bundled
 def test_generate_streams_the_same_text_as_the_library_and_entry_points_agree(tmp_path: Path) -> None:
     result = kvcache(PROMPT, "--max-new-tokens", "30", "--temperature", "0")
     assert result.returncode == 0, result.stderr

@@ -24,6 +24,8 @@ from ..errors import GenerationError
 from .model_args import add_model_arguments, check_model_arguments, load_drafter, load_model
 
 DEFAULT_MAX_NEW_TOKENS = 200
+#: Draft tokens a step of `--prediction` without a speculation flag (the server's default width).
+PREDICTION_DRAFT_TOKENS = 8
 DEFAULT_TEMPERATURE = 0.8
 DEFAULT_SEED = 0
 DEFER_CHOICES = {"auto": None, "on": True, "off": False}
@@ -58,6 +60,10 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--repetition-penalty", type=float, default=None,
                         help=f"divide the logits of tokens already in the text by this, greedy or sampled, as "
                         f"transformers does (default 1 = off{model_says})")
+    parser.add_argument("--prediction", metavar="FILE", default=None,
+                        help="a text the answer is expected to largely repeat (a file being edited): drafted from "
+                        "and verified, so the output is the same, sooner (OpenAI's predicted outputs; with a "
+                        "speculation flag, its drafter takes over where the prediction has nothing)")
     parser.add_argument("--min-new-tokens", type=int, default=0, metavar="N",
                         help="no end token before N new tokens (default 0)")
     parser.add_argument("--ignore-eos", action="store_true",
@@ -130,6 +136,11 @@ def run(args: argparse.Namespace) -> int:
         raise GenerationError("--prefix-store and --cache are alternatives: give one")
     check_model_arguments(args)
     sampling_settings(args, {})  # the flags given, checked before any work
+    if args.prediction is not None:
+        try:
+            args.prediction_text = Path(args.prediction).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise GenerationError(f"--prediction {args.prediction}: not read ({exc})") from None
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not text:
         raise GenerationError("the prompt is empty")
@@ -144,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens is None:  # (as transformers' generate takes the file's max_new_tokens)
         args.max_new_tokens = int(served.sampling.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
     sampling = settings["temperature"] > 0
-    drafter = load_drafter(args, served)
+    drafter = _with_prediction(args, served, load_drafter(args, served))
     ids = _encode(served, text, args.chat)
     args.max_new_tokens = _within_context(served, len(ids), args.max_new_tokens)
     built = _prefill(args, served, ids, store, loaded)
@@ -175,6 +186,22 @@ def run(args: argparse.Namespace) -> int:
     print(f"generated {new} tokens in {elapsed:.2f} s ({new / max(elapsed, 1e-9):.1f} tokens/s{speculated})",
           file=sys.stderr)  # fmt: skip
     return 0
+
+
+def _with_prediction(args: argparse.Namespace, served: Any, drafter: tuple[Any, int] | None) -> tuple[Any, int] | None:
+    """The speculation flags' drafter, behind `--prediction`'s text where one is given (prompt
+    lookup behind it where no flag names another; `PREDICTION_DRAFT_TOKENS` a step)."""
+    if args.prediction is None:
+        return drafter
+    from ..errors import CacheInputError
+    from ..generation import PredictionDrafter, PromptLookupDrafter
+
+    try:
+        predicted = served.encode(args.prediction_text, add_special_tokens=False)
+    except CacheInputError as exc:
+        raise GenerationError(f"--prediction {args.prediction}: {exc}") from None
+    fallback, tokens = drafter or (PromptLookupDrafter(), PREDICTION_DRAFT_TOKENS)
+    return PredictionDrafter(predicted, fallback), tokens
 
 
 def _within_context(served: Any, prompt: int, new: int) -> int:
