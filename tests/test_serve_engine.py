@@ -406,7 +406,7 @@ def test_seeded_sampling_with_lookup_drafts_is_what_plain_decoding_samples(bundl
     assert second_steps < first_steps / 2, (first_steps, second_steps)
 
 
-def test_under_the_gate_rows_draft_only_while_the_batch_is_small_enough(bundled) -> None:
+def test_under_the_gate_rows_draft_only_while_the_batch_is_small_enough(bundled, monkeypatch) -> None:
     """`draft_rows`: under the adaptive gate a step asks its rows for drafts only while the batch
     holds at most that many rows (a larger batch takes plain steps); the answers are unchanged."""
     from kvcache.generation import PromptLookupDrafter
@@ -420,7 +420,7 @@ def test_under_the_gate_rows_draft_only_while_the_batch_is_small_enough(bundled)
             batch_at_proposal.append(len(engine._rows))
             return super().propose(sequence, num_tokens, pick)
 
-    engine._new_drafter = Watched  # type: ignore[method-assign]
+    monkeypatch.setattr("kvcache.serve.speculation.PromptLookupDrafter", Watched)  # the server's drafter
     prompts = [prompt_ids(tokenizer, i, n) for i, n in enumerate((30, 50, 20))]
     engine.start()
     try:

@@ -231,9 +231,10 @@ def from_directory(path: str | Path, dtype: torch.dtype | None = None, device: t
     where = location.directory
     local = {"local_files_only": True, "trust_remote_code": trust_remote_code}
     if location.gguf_file is not None:  # (read, and its weights dequantized, by transformers)
-        if importlib.util.find_spec("gguf") is None:
-            raise CacheInputError(f"{flag} {path}: reading a GGUF file needs the gguf package: "
-                                  'pip install "kvcache[gguf]"')
+        lacking = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+        if lacking:  # (transformers' GGUF loader needs both)
+            raise CacheInputError(f"{flag} {path}: reading a GGUF file needs the {' and '.join(lacking)} "
+                                  'package(s): pip install "kvcache[gguf]"')  # fmt: skip
         local["gguf_file"] = location.gguf_file
     try:
         config = AutoConfig.from_pretrained(where, **local)

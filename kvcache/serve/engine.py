@@ -36,8 +36,6 @@ import torch
 from ..cache import Cache
 from ..errors import CacheInputError
 from ..generation.draft_schedule import DraftGate
-from ..generation.drafters import Drafter, ModelDrafter, PromptLookupDrafter
-from ..generation.prediction import PredictionDrafter
 from ..generation.suffix import SuffixDrafter
 from ..store.payloads import model_module, storable
 from . import prefill
@@ -48,7 +46,7 @@ from .logprobs import token_logprobs
 from .metrics import Metrics
 from .request import Request
 from .row_tokens import ban_early_ends, step_tokens
-from .speculation import can_speculate, speculative_step
+from .speculation import can_speculate, new_drafter, speculative_step
 
 #: Rows decoded together at most; newcomers wait while the batch is full.
 MAX_BATCH = 32
@@ -259,10 +257,7 @@ class Engine:
             request.prompt_seen = torch.zeros(int(self.model.vocab_size), dtype=torch.bool, device=self.device)
             request.prompt_seen[torch.tensor(request.prompt, device=self.device)] = True
         if self.speculative:
-            request.drafter = self._new_drafter()
-            if request.prediction:  # its predicted output first, the server's drafter after it
-                request.drafter = PredictionDrafter(request.prediction, request.drafter)
-            request.drafter.start(request.prompt, device=self.device)
+            request.drafter = new_drafter(self, request)
         ban_early_ends([request], logits, self.eos)
         self._emit(request, self._choose(request, logits), logits)
         if request.finish_reason is None:
@@ -272,13 +267,6 @@ class Engine:
         if self._grammar_tokens is None:
             raise CacheInputError("this engine was built without structured outputs (no grammar tokenizer)")
         return self._grammar_tokens.get()
-
-    def _new_drafter(self) -> Drafter:
-        if self.draft_model is not None:
-            return ModelDrafter(self.draft_model)
-        if self.suffix_corpus is not None:
-            return SuffixDrafter(self.suffix_corpus)
-        return PromptLookupDrafter()
 
     # ------------------------------------------------------------------------------ batch
     def _join(self) -> None:
@@ -383,10 +371,6 @@ class Engine:
             self._finish(request, "stop")
         elif len(request.tokens) >= request.max_tokens:
             self._finish(request, "length")
-
-    def add_drafts(self, verified: int, accepted: int) -> None:
-        self.drafts = [self.drafts[0] + verified, self.drafts[1] + accepted]
-        self.metrics.add_drafts(verified, accepted)
 
     def _finish(self, request: Request, reason: str) -> None:
         request.finish_reason = reason

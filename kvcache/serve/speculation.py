@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 from ..generation.draft_schedule import packed_tokens
-from ..generation.drafters import Draft, Drafter
-from ..generation.prediction import PREDICTED_MATCH
+from ..generation.drafters import Draft, Drafter, ModelDrafter, PromptLookupDrafter
+from ..generation.prediction import PREDICTED_MATCH, PredictionDrafter
+from ..generation.suffix import SuffixDrafter
 from ..generation.switches import holds_recurrent_states
 from ..generation.verifier import Verifier
 from .row_tokens import ban_early_ends
@@ -46,6 +47,19 @@ def _cut(draft: Draft, n: int) -> Draft:
     if len(draft.tokens) <= n:
         return draft
     return Draft(draft.tokens[:n], None if draft.probs is None else draft.probs[:n], draft.match)
+
+
+def new_drafter(engine: Any, request: Any) -> Drafter:
+    """A request's drafter, started on its prompt: the server's kind (a draft model, suffix
+    drafting or prompt lookup), behind the request's predicted output where it sent one."""
+    if engine.draft_model is not None:
+        drafter: Drafter = ModelDrafter(engine.draft_model)
+    else:
+        drafter = SuffixDrafter(engine.suffix_corpus) if engine.suffix_corpus is not None else PromptLookupDrafter()
+    if request.prediction:
+        drafter = PredictionDrafter(request.prediction, drafter)
+    drafter.start(request.prompt, device=engine.device)
+    return drafter
 
 
 def speculative_step(engine: Any, predicted_only: bool = False) -> None:
@@ -98,7 +112,9 @@ def speculative_step(engine: Any, predicted_only: bool = False) -> None:
                 else _greedy(draft, choices[b]) if verifier.sampling.argmax_only
                 else verifier.verify(draft, logits[b, : len(draft.tokens) + 1], rows[b].counts, rows[b].prompt_seen)
                 for b, (verifier, draft) in enumerate(zip(verifiers, drafts, strict=True))]  # fmt: skip
-    engine.add_drafts(sum(len(d.tokens) for d in drafts), sum(accepted for accepted, _ in verdicts))
+    verified, taken = sum(len(d.tokens) for d in drafts), sum(accepted for accepted, _ in verdicts)
+    engine.drafts = [engine.drafts[0] + verified, engine.drafts[1] + taken]  # (relayed by an engine process)
+    engine.metrics.add_drafts(verified, taken)
     if width > 1:
         drops = [width - 1 - accepted for accepted, _ in verdicts]
         if any(drops):
