@@ -29,15 +29,7 @@ from kvcache.generation import DraftGate, PredictionDrafter, PromptLookupDrafter
 try:
     from .common import Section, Table, Target, client_pool, http_client, run_as_script, section_of
 except ImportError:  # run as a script
-    from common import (  # type: ignore[no-redef]
-        Section,
-        Table,
-        Target,
-        client_pool,
-        http_client,
-        run_as_script,
-        section_of,
-    )
+    from common import Section, Table, Target, client_pool, http_client, run_as_script, section_of  # type: ignore[no-redef]
 
 #: (requests, new tokens per request); rounds of the served table (each contender once a round)
 SIZES = {"smoke": (3, 48), "quick": (8, 160), "full": (16, 256)}

@@ -46,15 +46,7 @@ from kvcache.generation import (
 try:
     from .common import Section, Table, Target, client_pool, http_client, run_as_script, section_of
 except ImportError:  # run as a script
-    from common import (  # type: ignore[no-redef]
-        Section,
-        Table,
-        Target,
-        client_pool,
-        http_client,
-        run_as_script,
-        section_of,
-    )
+    from common import Section, Table, Target, client_pool, http_client, run_as_script, section_of  # type: ignore[no-redef]
 
 #: (requests, new tokens per request, corpus sizes for the drafter table)
 SIZES = {"smoke": (4, 16, (1_000, 10_000)), "quick": (24, 48, (1_000, 100_000)),
